@@ -66,13 +66,6 @@ def _check_int32_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor
     return value
 
 
-def _load_offsets(seq_lens: torch.Tensor) -> torch.Tensor:
-    """int32 [B+1] exclusive prefix sum of seq_lens."""
-    offsets = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    offsets[1:] = torch.cumsum(seq_lens.to(torch.int64), 0).to(torch.int32)
-    return offsets
-
-
 class KVCacheBatch:
     """Per-step metadata: which rows are in the batch, how long they are, where their pages are.
 
@@ -301,17 +294,14 @@ class _PagedCacheBase:
             raise ValueError(f"which must be 'k' or 'v', got {which!r}")
         if out_dtype is None:
             out_dtype = torch.float32 if is_fp8(self.dtype) else self.dtype
-        _check_int32_tensor("seq_lens", seq_lens, (1,))
-        offsets = _load_offsets(seq_lens)
-        total = int(offsets[-1])
-        out = torch.empty(
-            (total, self.num_kv_heads, self.head_dim), dtype=out_dtype, device=cache.device
+        return _ops().paged_load(
+            cache,
+            self._table(layer, lookup_table),
+            seq_lens,
+            scales=scales,
+            out_dtype=out_dtype,
+            quant_group=self.quant_group,
         )
-        _ops().paged_load(
-            cache, scales, self._table(layer, lookup_table), seq_lens, offsets, out,
-            self.quant_group,
-        )
-        return out
 
 
 class PagedKVCacheCollection(_PagedCacheBase):
