@@ -1,0 +1,391 @@
+/* pagedkv core: the one checker per op. Both backends call these before
+ * writing anything; messages name the argument and the expected value. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "pkv_ops.h"
+
+/* ---- descriptor checks ---- */
+
+static const char *device_name(int device, char *buf, size_t n) {
+  if (device == PKV_DEVICE_CPU) return "cpu";
+  snprintf(buf, n, "cuda:%d", device);
+  return buf;
+}
+
+static pkv_status need_defined(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  if (!t->defined) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s is required, got None", op, name);
+  return PKV_OK;
+}
+
+static pkv_status need_dims(const pkv_tensor *t, int ndim, const char *op, const char *name, const char *shape,
+                            pkv_error *err) {
+  if (t->ndim != ndim)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be %d-D %s, got %d-D", op, name, ndim, shape, t->ndim);
+  return PKV_OK;
+}
+
+static pkv_status need_size(const pkv_tensor *t, int dim, int64_t expected, const char *op, const char *name,
+                            const char *why, pkv_error *err) {
+  if (t->sizes[dim] != expected)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s.size(%d) must be %lld (%s), got %lld", op, name, dim,
+                    (long long)expected, why, (long long)t->sizes[dim]);
+  return PKV_OK;
+}
+
+static pkv_status need_int32(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  if (t->dtype != PKV_DTYPE_I32)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be int32, got %s", op, name, pkv_dtype_name(t->dtype));
+  return PKV_OK;
+}
+
+static pkv_status need_device(const pkv_tensor *t, int device, const char *op, const char *name,
+                              const char *ref_name, pkv_error *err) {
+  char a[32], b[32];
+  if (t->device != device)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be on the same device as %s (%s), got %s", op, name,
+                    ref_name, device_name(device, a, sizeof a), device_name(t->device, b, sizeof b));
+  return PKV_OK;
+}
+
+static pkv_status need_unit_last_stride(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  int last = t->ndim - 1;
+  if (t->sizes[last] > 1 && t->strides[last] != 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have stride(-1) == 1, got %lld", op, name,
+                    (long long)t->strides[last]);
+  return PKV_OK;
+}
+
+/* A written tensor must not map two indices to one element through a zero stride. */
+static pkv_status need_no_broadcast(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  for (int d = 0; d < t->ndim; d++)
+    if (t->sizes[d] > 1 && t->strides[d] == 0)
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must not be a broadcast view (stride 0 on dim %d)", op, name,
+                      d);
+  return PKV_OK;
+}
+
+static pkv_status need_float_input(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  if (!pkv_dtype_is_float_input(t->dtype))
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, float16 or bfloat16, got %s", op, name,
+                    pkv_dtype_name(t->dtype));
+  return PKV_OK;
+}
+
+#define TRY(expr)                                                                                                 \
+  do {                                                                                                            \
+    pkv_status s_ = (expr);                                                                                       \
+    if (s_ != PKV_OK) return s_;                                                                                  \
+  } while (0)
+
+/* A cache view: 4-D [N, P, Hk, D], a cache dtype, unit last stride. */
+static pkv_status check_cache(const pkv_tensor *c, const char *op, const char *name, int written, pkv_error *err) {
+  TRY(need_defined(c, op, name, err));
+  TRY(need_dims(c, 4, op, name, "[N, P, Hk, D]", err));
+  if (!pkv_dtype_is_cache(c->dtype))
+    return pkv_fail(err, PKV_ERR_ARGUMENT,
+                    "%s: %s must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got %s", op, name,
+                    pkv_dtype_name(c->dtype));
+  if (c->sizes[1] < 1) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s page size (size(1)) must be >= 1, got 0", op, name);
+  if (c->sizes[2] < 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have at least one KV head (size(2)), got 0", op, name);
+  if (c->sizes[3] < 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s head size (size(3)) must be >= 1, got 0", op, name);
+  TRY(need_unit_last_stride(c, op, name, err));
+  if (written) TRY(need_no_broadcast(c, op, name, err));
+  return PKV_OK;
+}
+
+/* Scales: required iff the cache is FP8; f32 [N, P, Hk, ceil(D/G)]. */
+static pkv_status check_scales(const pkv_tensor *s, const pkv_tensor *cache, int64_t group, const char *op,
+                               const char *name, const char *cache_name, int written, pkv_error *err) {
+  if (!pkv_dtype_is_fp8(cache->dtype)) {
+    if (s->defined)
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be None because %s is %s (not FP8)", op, name,
+                      cache_name, pkv_dtype_name(cache->dtype));
+    return PKV_OK;
+  }
+  if (!s->defined)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s is required because %s is %s", op, name, cache_name,
+                    pkv_dtype_name(cache->dtype));
+  TRY(need_dims(s, 4, op, name, "[N, P, Hk, ceil(D/G)]", err));
+  if (s->dtype != PKV_DTYPE_F32)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, got %s", op, name, pkv_dtype_name(s->dtype));
+  TRY(need_size(s, 0, cache->sizes[0], op, name, "N of the cache", err));
+  TRY(need_size(s, 1, cache->sizes[1], op, name, "P of the cache", err));
+  TRY(need_size(s, 2, cache->sizes[2], op, name, "Hk of the cache", err));
+  TRY(need_size(s, 3, pkv_num_groups(cache->sizes[3], group), op, name, "ceil(D / quant_group)", err));
+  TRY(need_unit_last_stride(s, op, name, err));
+  if (written) TRY(need_no_broadcast(s, op, name, err));
+  return PKV_OK;
+}
+
+/* lookup_table int32 [B, max_pages], row lengths int32 [B], offsets int32 [B+1]. */
+static pkv_status check_index_tensors(const pkv_tensor *offsets, const char *offsets_name,
+                                      const pkv_tensor *lengths, const char *lengths_name,
+                                      const pkv_tensor *table, int device, const char *device_ref, const char *op,
+                                      pkv_error *err) {
+  TRY(need_defined(table, op, "lookup_table", err));
+  TRY(need_defined(lengths, op, lengths_name, err));
+  TRY(need_defined(offsets, op, offsets_name, err));
+  TRY(need_int32(table, op, "lookup_table", err));
+  TRY(need_int32(lengths, op, lengths_name, err));
+  TRY(need_int32(offsets, op, offsets_name, err));
+  TRY(need_dims(table, 2, op, "lookup_table", "[B, max_pages]", err));
+  TRY(need_dims(lengths, 1, op, lengths_name, "[B]", err));
+  TRY(need_dims(offsets, 1, op, offsets_name, "[B+1]", err));
+  int64_t batch = lengths->sizes[0];
+  TRY(need_size(table, 0, batch, op, "lookup_table", "B, the length of the lengths tensor", err));
+  TRY(need_size(offsets, 0, batch + 1, op, offsets_name, "B+1", err));
+  TRY(need_device(table, device, op, "lookup_table", device_ref, err));
+  TRY(need_device(lengths, device, op, lengths_name, device_ref, err));
+  TRY(need_device(offsets, device, op, offsets_name, device_ref, err));
+  return PKV_OK;
+}
+
+static pkv_status check_group(int64_t group, const char *op, pkv_error *err) {
+  if (group < 1) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: quant_group must be >= 1, got %lld", op, (long long)group);
+  return PKV_OK;
+}
+
+/* ---- index value checks (host-readable index data) ---- */
+
+static pkv_status check_offsets_values(const pkv_index_view *offsets, const char *name, int64_t rows_available,
+                                       const char *rows_name, const char *op, pkv_error *err) {
+  int64_t batch = offsets->rows - 1;
+  if (pkv_index_at(offsets, 0) != 0)
+    return pkv_fail(err, PKV_ERR_INDEX, "%s: %s[0] must be 0, got %d", op, name, pkv_index_at(offsets, 0));
+  for (int64_t b = 0; b < batch; b++)
+    if (pkv_index_at(offsets, b + 1) < pkv_index_at(offsets, b))
+      return pkv_fail(err, PKV_ERR_INDEX, "%s: %s must be non-decreasing, got %s[%lld] = %d > %s[%lld] = %d", op,
+                      name, name, (long long)b, pkv_index_at(offsets, b), name, (long long)(b + 1),
+                      pkv_index_at(offsets, b + 1));
+  int64_t last = pkv_index_at(offsets, batch);
+  if (last > rows_available)
+    return pkv_fail(err, PKV_ERR_INDEX, "%s: %s[B] = %lld exceeds the %lld rows of %s", op, name, (long long)last,
+                    (long long)rows_available, rows_name);
+  return PKV_OK;
+}
+
+/* Pages [first_page, last_page] of row b must hold ids in [0, N). */
+static pkv_status check_pages(const pkv_index_view *table, int64_t b, int64_t first_page, int64_t end_page,
+                              int64_t num_pages, const char *op, pkv_error *err) {
+  for (int64_t j = first_page; j < end_page; j++) {
+    int32_t page = pkv_index_at2(table, b, j);
+    if (page < 0 || page >= num_pages)
+      return pkv_fail(err, PKV_ERR_INDEX, "%s: lookup_table[%lld, %lld] = %d is not a page id in [0, %lld)", op,
+                      (long long)b, (long long)j, page, (long long)num_pages);
+  }
+  return PKV_OK;
+}
+
+/* Row b's total tokens must fit in its table row. */
+static pkv_status check_capacity(int64_t b, int64_t cached, int64_t added, const char *cached_name,
+                                 int64_t max_pages, int64_t page_size, const char *op, pkv_error *err) {
+  if (cached < 0)
+    return pkv_fail(err, PKV_ERR_INDEX, "%s: %s[%lld] must be >= 0, got %lld", op, cached_name, (long long)b,
+                    (long long)cached);
+  if (cached + added > max_pages * page_size)
+    return pkv_fail(err, PKV_ERR_INDEX,
+                    "%s: row %lld needs %lld tokens (%s %lld + %lld new) but lookup_table holds %lld pages of %lld "
+                    "tokens",
+                    op, (long long)b, (long long)(cached + added), cached_name, (long long)cached, (long long)added,
+                    (long long)max_pages, (long long)page_size);
+  return PKV_OK;
+}
+
+static int compare_i64(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Two rows writing the same (page, slot) would race and lose a token. */
+static pkv_status check_distinct_slots(const pkv_index_view *offsets, const pkv_index_view *lengths,
+                                       const pkv_index_view *table, int64_t page_size, const char *op,
+                                       pkv_error *err) {
+  int64_t batch = lengths->rows, total = pkv_index_at(offsets, batch);
+  if (total < 2) return PKV_OK;
+  int64_t *slots = (int64_t *)malloc((size_t)total * sizeof *slots);
+  if (!slots) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: out of host memory checking lookup_table", op);
+  int64_t n = 0;
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t start = pkv_cache_length(lengths, b), added = pkv_new_tokens(offsets, b);
+    for (int64_t i = 0; i < added; i++) {
+      int64_t pos = start + i;
+      slots[n++] = (int64_t)pkv_page_of(table, b, pos, page_size) * page_size + pos % page_size;
+    }
+  }
+  qsort(slots, (size_t)n, sizeof *slots, compare_i64);
+  for (int64_t i = 1; i < n; i++)
+    if (slots[i] == slots[i - 1]) {
+      long long page = (long long)(slots[i] / page_size), slot = (long long)(slots[i] % page_size);
+      free(slots);
+      return pkv_fail(err, PKV_ERR_INDEX,
+                      "%s: lookup_table maps two new tokens to the same cache slot (page %lld, slot %lld); each "
+                      "written slot must belong to one row",
+                      op, page, slot);
+    }
+  free(slots);
+  return PKV_OK;
+}
+
+/* ---- paged_store ---- */
+
+pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error *err) {
+  const char *op = "paged_store";
+  TRY(check_group(a->quant_group, op, err));
+  TRY(check_cache(&a->k_cache, op, "k_cache", 1, err));
+  int device = a->k_cache.device;
+  TRY(need_defined(&a->key, op, "key", err));
+  TRY(need_dims(&a->key, 3, op, "key", "[T, Hk, D]", err));
+  TRY(need_float_input(&a->key, op, "key", err));
+  TRY(need_size(&a->key, 1, a->k_cache.sizes[2], op, "key", "Hk of k_cache", err));
+  TRY(need_size(&a->key, 2, a->k_cache.sizes[3], op, "key", "D of k_cache", err));
+  TRY(need_unit_last_stride(&a->key, op, "key", err));
+  TRY(need_device(&a->key, device, op, "key", "k_cache", err));
+  if (a->value.defined != a->v_cache.defined)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: value must be None if and only if v_cache is None (value is %s, v_cache is %s)",
+                    op, a->value.defined ? "a tensor" : "None", a->v_cache.defined ? "a tensor" : "None");
+  if (a->v_cache.defined) {
+    TRY(check_cache(&a->v_cache, op, "v_cache", 1, err));
+    TRY(need_device(&a->v_cache, device, op, "v_cache", "k_cache", err));
+    TRY(need_size(&a->v_cache, 0, a->k_cache.sizes[0], op, "v_cache", "N of k_cache", err));
+    TRY(need_size(&a->v_cache, 1, a->k_cache.sizes[1], op, "v_cache", "P of k_cache", err));
+    TRY(need_size(&a->v_cache, 2, a->k_cache.sizes[2], op, "v_cache", "Hk of k_cache", err));
+    TRY(need_dims(&a->value, 3, op, "value", "[T, Hk, Dv]", err));
+    TRY(need_float_input(&a->value, op, "value", err));
+    TRY(need_size(&a->value, 0, a->key.sizes[0], op, "value", "T of key", err));
+    TRY(need_size(&a->value, 1, a->v_cache.sizes[2], op, "value", "Hk of v_cache", err));
+    TRY(need_size(&a->value, 2, a->v_cache.sizes[3], op, "value", "Dv of v_cache", err));
+    TRY(need_unit_last_stride(&a->value, op, "value", err));
+    TRY(need_device(&a->value, device, op, "value", "k_cache", err));
+  }
+  TRY(check_scales(&a->k_scales, &a->k_cache, a->quant_group, op, "k_scales", "k_cache", 1, err));
+  if (a->k_scales.defined) TRY(need_device(&a->k_scales, device, op, "k_scales", "k_cache", err));
+  if (a->v_cache.defined) {
+    TRY(check_scales(&a->v_scales, &a->v_cache, a->quant_group, op, "v_scales", "v_cache", 1, err));
+    if (a->v_scales.defined) TRY(need_device(&a->v_scales, device, op, "v_scales", "k_cache", err));
+  } else if (a->v_scales.defined) {
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: v_scales must be None because v_cache is None", op);
+  }
+  TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
+                          &a->lookup_table, device, "k_cache", op, err));
+  if (!check_values) return PKV_OK;
+
+  pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
+  pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
+  pkv_index_view table = pkv_index_view_from(&a->lookup_table);
+  int64_t page_size = a->k_cache.sizes[1], num_pages = a->k_cache.sizes[0];
+  TRY(check_offsets_values(&offsets, "input_row_offsets", a->key.sizes[0], "key", op, err));
+  for (int64_t b = 0; b < lengths.rows; b++) {
+    int64_t cached = pkv_cache_length(&lengths, b), added = pkv_new_tokens(&offsets, b);
+    TRY(check_capacity(b, cached, added, "cache_lengths", table.cols, page_size, op, err));
+    if (added > 0)
+      TRY(check_pages(&table, b, cached / page_size, pkv_pages_for(cached + added, page_size), num_pages, op, err));
+  }
+  return check_distinct_slots(&offsets, &lengths, &table, page_size, op, err);
+}
+
+/* ---- paged_load ---- */
+
+pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err) {
+  const char *op = "paged_load";
+  TRY(check_group(a->quant_group, op, err));
+  TRY(check_cache(&a->cache, op, "cache", 0, err));
+  int device = a->cache.device;
+  TRY(check_scales(&a->scales, &a->cache, a->quant_group, op, "scales", "cache", 0, err));
+  if (a->scales.defined) TRY(need_device(&a->scales, device, op, "scales", "cache", err));
+  TRY(need_defined(&a->out, op, "out", err));
+  TRY(need_dims(&a->out, 3, op, "out", "[T_out, Hk, D]", err));
+  TRY(need_float_input(&a->out, op, "out", err));
+  TRY(need_size(&a->out, 1, a->cache.sizes[2], op, "out", "Hk of cache", err));
+  TRY(need_size(&a->out, 2, a->cache.sizes[3], op, "out", "D of cache", err));
+  TRY(need_unit_last_stride(&a->out, op, "out", err));
+  TRY(need_no_broadcast(&a->out, op, "out", err));
+  TRY(need_device(&a->out, device, op, "out", "cache", err));
+  TRY(check_index_tensors(&a->output_row_offsets, "output_row_offsets", &a->seq_lens, "seq_lens", &a->lookup_table,
+                          device, "cache", op, err));
+  if (!check_values) return PKV_OK;
+
+  pkv_index_view offsets = pkv_index_view_from(&a->output_row_offsets);
+  pkv_index_view lengths = pkv_index_view_from(&a->seq_lens);
+  pkv_index_view table = pkv_index_view_from(&a->lookup_table);
+  int64_t page_size = a->cache.sizes[1];
+  TRY(check_offsets_values(&offsets, "output_row_offsets", a->out.sizes[0], "out", op, err));
+  for (int64_t b = 0; b < lengths.rows; b++) {
+    int64_t len = pkv_index_at(&lengths, b);
+    TRY(check_capacity(b, len, 0, "seq_lens", table.cols, page_size, op, err));
+    if (len > pkv_new_tokens(&offsets, b))
+      return pkv_fail(err, PKV_ERR_INDEX,
+                      "%s: seq_lens[%lld] = %lld does not fit between output_row_offsets[%lld] and "
+                      "output_row_offsets[%lld] (%lld rows)",
+                      op, (long long)b, (long long)len, (long long)b, (long long)(b + 1),
+                      (long long)pkv_new_tokens(&offsets, b));
+    TRY(check_pages(&table, b, 0, pkv_pages_for(len, page_size), a->cache.sizes[0], op, err));
+  }
+  return PKV_OK;
+}
+
+/* ---- flash_attn_paged ---- */
+
+pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
+  const char *op = "flash_attn_paged";
+  TRY(check_group(a->quant_group, op, err));
+  TRY(check_cache(&a->k_cache, op, "k_cache", 0, err));
+  TRY(check_cache(&a->v_cache, op, "v_cache", 0, err));
+  int device = a->k_cache.device;
+  TRY(need_device(&a->v_cache, device, op, "v_cache", "k_cache", err));
+  TRY(need_size(&a->v_cache, 0, a->k_cache.sizes[0], op, "v_cache", "N of k_cache", err));
+  TRY(need_size(&a->v_cache, 1, a->k_cache.sizes[1], op, "v_cache", "P of k_cache", err));
+  TRY(need_size(&a->v_cache, 2, a->k_cache.sizes[2], op, "v_cache", "Hk of k_cache", err));
+  TRY(check_scales(&a->k_scales, &a->k_cache, a->quant_group, op, "k_scales", "k_cache", 0, err));
+  TRY(check_scales(&a->v_scales, &a->v_cache, a->quant_group, op, "v_scales", "v_cache", 0, err));
+  if (a->k_scales.defined) TRY(need_device(&a->k_scales, device, op, "k_scales", "k_cache", err));
+  if (a->v_scales.defined) TRY(need_device(&a->v_scales, device, op, "v_scales", "k_cache", err));
+  TRY(need_defined(&a->q, op, "q", err));
+  TRY(need_dims(&a->q, 3, op, "q", "[T, Hq, D]", err));
+  TRY(need_float_input(&a->q, op, "q", err));
+  TRY(need_device(&a->q, device, op, "q", "k_cache", err));
+  TRY(need_size(&a->q, 2, a->k_cache.sizes[3], op, "q", "D of k_cache", err));
+  TRY(need_unit_last_stride(&a->q, op, "q", err));
+  int64_t hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
+  if (hq < 1 || hq % hk != 0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT,
+                    "%s: q.size(1) (Hq = %lld) must be a positive multiple of k_cache.size(2) (Hk = %lld)", op,
+                    (long long)hq, (long long)hk);
+  if (a->window_left < -1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: window_left must be -1 (no window) or >= 0, got %lld", op,
+                    (long long)a->window_left);
+  if (!(a->softcap >= 0.0))
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be >= 0 (0 disables it), got %g", op, a->softcap);
+  if (!(a->scale == a->scale) || a->scale == 1.0 / 0.0 || a->scale == -1.0 / 0.0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, a->scale);
+  TRY(need_defined(&a->out, op, "out", err));
+  TRY(need_dims(&a->out, 3, op, "out", "[T, Hq, Dv]", err));
+  if (a->out.dtype != a->q.dtype)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: out must have q's dtype %s, got %s", op, pkv_dtype_name(a->q.dtype),
+                    pkv_dtype_name(a->out.dtype));
+  TRY(need_size(&a->out, 0, a->q.sizes[0], op, "out", "T of q", err));
+  TRY(need_size(&a->out, 1, hq, op, "out", "Hq of q", err));
+  TRY(need_size(&a->out, 2, a->v_cache.sizes[3], op, "out", "Dv of v_cache", err));
+  TRY(need_unit_last_stride(&a->out, op, "out", err));
+  TRY(need_no_broadcast(&a->out, op, "out", err));
+  TRY(need_device(&a->out, device, op, "out", "k_cache", err));
+  TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
+                          &a->lookup_table, device, "k_cache", op, err));
+  if (!check_values) return PKV_OK;
+
+  pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
+  pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
+  pkv_index_view table = pkv_index_view_from(&a->lookup_table);
+  int64_t page_size = a->k_cache.sizes[1];
+  TRY(check_offsets_values(&offsets, "input_row_offsets", a->q.sizes[0], "q", op, err));
+  for (int64_t b = 0; b < lengths.rows; b++) {
+    int64_t cached = pkv_cache_length(&lengths, b), added = pkv_new_tokens(&offsets, b);
+    TRY(check_capacity(b, cached, added, "cache_lengths", table.cols, page_size, op, err));
+    /* only rows with queries read keys */
+    if (added > 0)
+      TRY(check_pages(&table, b, 0, pkv_pages_for(cached + added, page_size), a->k_cache.sizes[0], op, err));
+  }
+  return PKV_OK;
+}

@@ -1,0 +1,102 @@
+/* pagedkv core: typed views and the shared index math.
+ *
+ * A view is a POD passed by value to CPU and CUDA kernels. Every layout of
+ * the contract (collection, FA3 fallback, separate pools, continuous
+ * batching) is just a different set of strides; no kernel knows about
+ * layers. Offsets are int64 so pools over 2^31 elements work. */
+#ifndef PKV_VIEW_H
+#define PKV_VIEW_H
+
+#include "pkv_common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* k_cache / v_cache / scales: [num_pages, page_size, num_heads, head_dim], stride(-1) == 1.
+ * For scales head_dim is the number of groups and dtype is F32. */
+typedef struct {
+  void *data;
+  pkv_dtype dtype;
+  int64_t num_pages, page_size, num_heads, head_dim;
+  int64_t stride_page, stride_token, stride_head;
+} pkv_cache_view;
+
+/* Ragged token rows (key, value, q, out, load output): [num_rows, num_heads, head_dim]. */
+typedef struct {
+  void *data;
+  pkv_dtype dtype;
+  int64_t num_rows, num_heads, head_dim;
+  int64_t stride_row, stride_head;
+} pkv_rows_view;
+
+/* int32 [rows, cols] with any strides (lookup_table), or [rows] (lengths, offsets). */
+typedef struct {
+  const int32_t *data;
+  int64_t rows, cols;
+  int64_t stride_row, stride_col;
+} pkv_index_view;
+
+/* ---- accessors, modelled on the seed cache types ---- */
+
+/* Element offset of (page, slot, head, 0): the seed's block_paged_ptr. */
+PKV_HD int64_t pkv_cache_offset(const pkv_cache_view *c, int64_t page, int64_t slot, int64_t head) {
+  return page * c->stride_page + slot * c->stride_token + head * c->stride_head;
+}
+
+/* Row count of the 2-D "[rows, Hk*D]" view a TMA map covers when a page
+ * stride is a whole number of token rows: the seed's num_kv_rows. */
+PKV_HD int64_t pkv_cache_num_rows(const pkv_cache_view *c) {
+  return c->num_pages == 0 ? 0 : (c->num_pages - 1) * (c->stride_page / c->stride_token) + c->page_size;
+}
+
+/* 2-D row of (page, slot) in that view: the seed's get_tma_row / row_idx. */
+PKV_HD int64_t pkv_cache_row(const pkv_cache_view *c, int64_t page, int64_t slot) {
+  return page * (c->stride_page / c->stride_token) + slot;
+}
+
+PKV_HD int32_t pkv_index_at(const pkv_index_view *v, int64_t i) { return v->data[i * v->stride_row]; }
+
+PKV_HD int32_t pkv_index_at2(const pkv_index_view *v, int64_t r, int64_t c) {
+  return v->data[r * v->stride_row + c * v->stride_col];
+}
+
+/* Physical page holding logical token `pos` of row b. */
+PKV_HD int32_t pkv_page_of(const pkv_index_view *lookup_table, int64_t b, int64_t pos, int64_t page_size) {
+  return pkv_index_at2(lookup_table, b, pos / page_size);
+}
+
+/* Seed accessor: tokens already cached for row b. */
+PKV_HD int64_t pkv_cache_length(const pkv_index_view *cache_lengths, int64_t b) {
+  return pkv_index_at(cache_lengths, b);
+}
+
+/* New tokens of row b this step. */
+PKV_HD int64_t pkv_new_tokens(const pkv_index_view *offsets, int64_t b) {
+  return (int64_t)pkv_index_at(offsets, b + 1) - pkv_index_at(offsets, b);
+}
+
+/* Groups (scales per token and head) for head size d and group g. */
+PKV_HD int64_t pkv_num_groups(int64_t d, int64_t g) { return (d + g - 1) / g; }
+
+/* Number of pages covering `tokens` tokens. */
+PKV_HD int64_t pkv_pages_for(int64_t tokens, int64_t page_size) { return (tokens + page_size - 1) / page_size; }
+
+/* Attention masks: the keys [lo, hi) query position p may see in a row of
+ * `total` keys (bottom-right causal, optional left window). */
+PKV_HD void pkv_visible_keys(int64_t p, int64_t total, int causal, int64_t window_left, int64_t *lo, int64_t *hi) {
+  int64_t h = causal ? (p + 1 < total ? p + 1 : total) : total;
+  int64_t l = window_left >= 0 ? p - window_left : 0;
+  *lo = l > 0 ? l : 0;
+  *hi = h;
+}
+
+/* Builders from descriptors (descriptors already validated). */
+pkv_cache_view pkv_cache_view_from(const pkv_tensor *t);
+pkv_rows_view pkv_rows_view_from(const pkv_tensor *t);
+pkv_index_view pkv_index_view_from(const pkv_tensor *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PKV_VIEW_H */

@@ -1,0 +1,90 @@
+// pagedkv torch shims: CPU implementations. Validate through the core (index
+// values always), then split the core kernel's work range over torch's
+// thread pool.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "pkv_args.h"
+
+namespace pagedkv {
+namespace {
+
+// Work items per task: enough bytes per task to amortise scheduling.
+int64_t grain_for(int64_t bytes_per_item) {
+  constexpr int64_t kBytesPerTask = 64 * 1024;
+  return std::max<int64_t>(1, kBytesPerTask / std::max<int64_t>(1, bytes_per_item));
+}
+
+void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
+                     const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
+                     const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
+                     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                     int64_t quant_group) {
+  pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
+                                k_scales, v_scales, quant_group);
+  pkv_error err{};
+  raise_if_failed(pkv_store_check(&a, /*check_values=*/1, &err), err);
+  int64_t work = pkv_store_cpu_work(&a);
+  at::parallel_for(0, work, grain_for(key.size(1) * key.size(2) * 4),
+                   [&](int64_t begin, int64_t end) { pkv_store_cpu(&a, begin, end); });
+}
+
+void paged_load_cpu(const at::Tensor &cache, const std::optional<at::Tensor> &scales, const at::Tensor &lookup_table,
+                    const at::Tensor &seq_lens, const at::Tensor &output_row_offsets, const at::Tensor &out,
+                    int64_t quant_group) {
+  pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
+  pkv_error err{};
+  raise_if_failed(pkv_load_check(&a, /*check_values=*/1, &err), err);
+  int64_t work = pkv_load_cpu_work(&a);
+  at::parallel_for(0, work, grain_for(cache.size(1) * cache.size(2) * cache.size(3) * 4),
+                   [&](int64_t begin, int64_t end) { pkv_load_cpu(&a, begin, end); });
+}
+
+void attn_cpu(const pkv_attn_args &a) {
+  pkv_error err{};
+  raise_if_failed(pkv_attn_check(&a, /*check_values=*/1, &err), err);
+  pkv_attn_plan plan{};
+  raise_if_failed(pkv_attn_cpu_plan(&a, &plan, &err), err);
+  // One item already streams a whole sequence's K/V for a KV head: grain 1.
+  std::atomic<int> failed{0};
+  pkv_error item_err{};
+  at::parallel_for(0, plan.num_items, 1, [&](int64_t begin, int64_t end) {
+    pkv_error local{};
+    if (pkv_attn_cpu(&a, &plan, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+  });
+  pkv_attn_plan_free(&plan);
+  TORCH_CHECK(failed.load() == 0, item_err.message);
+}
+
+at::Tensor flash_attn_paged_cpu(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+                                const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                                const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+                                const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                                int64_t quant_group, int64_t window_left, double softcap) {
+  at::Tensor out = attn_output(q, v_cache);
+  attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                     v_scales, quant_group, window_left, softcap, out));
+  return out;
+}
+
+void flash_attn_paged_out_cpu(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+                              const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                              const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+                              const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                              int64_t quant_group, int64_t window_left, double softcap, const at::Tensor &out) {
+  attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                     v_scales, quant_group, window_left, softcap, out));
+}
+
+}  // namespace
+}  // namespace pagedkv
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("paged_store", &pagedkv::paged_store_cpu);
+  m.impl("paged_load", &pagedkv::paged_load_cpu);
+  m.impl("flash_attn_paged", &pagedkv::flash_attn_paged_cpu);
+  m.impl("flash_attn_paged.out", &pagedkv::flash_attn_paged_out_cpu);
+}

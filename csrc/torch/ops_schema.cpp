@@ -1,0 +1,37 @@
+// pagedkv torch shims: the op schemas of CONTRACT.md, written by hand with
+// mutations marked (each mutated tensor has its own alias set).
+#include <torch/library.h>
+
+#include "pkv_torch.h"
+
+namespace pagedkv {
+
+static bool g_checks = [] {
+  const char *env = std::getenv("PAGEDKV_CHECK");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}();
+
+bool checks_enabled() { return g_checks; }
+void set_checks_enabled(bool on) { g_checks = on; }
+
+}  // namespace pagedkv
+
+TORCH_LIBRARY(pagedkv, m) {
+  m.def(
+      "paged_store(Tensor key, Tensor? value, Tensor(a!) k_cache, Tensor(b!)? v_cache, "
+      "Tensor input_row_offsets, Tensor cache_lengths, Tensor lookup_table, "
+      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, int quant_group=128) -> ()");
+  m.def(
+      "paged_load(Tensor cache, Tensor? scales, Tensor lookup_table, Tensor seq_lens, "
+      "Tensor output_row_offsets, Tensor(a!) out, int quant_group=128) -> ()");
+  m.def(
+      "flash_attn_paged(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
+      "float softcap=0.0) -> Tensor");
+  m.def(
+      "flash_attn_paged.out(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
+      "float softcap=0.0, *, Tensor(a!) out) -> ()");
+}

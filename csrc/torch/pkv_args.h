@@ -1,0 +1,72 @@
+// pagedkv torch shims: build the core's per-op argument structs from the
+// schema's arguments. Shared by the CPU and CUDA implementations.
+#pragma once
+
+#include "pkv_torch.h"
+
+namespace pagedkv {
+
+inline pkv_store_args store_args(const at::Tensor &key, const std::optional<at::Tensor> &value,
+                                 const at::Tensor &k_cache, const std::optional<at::Tensor> &v_cache,
+                                 const at::Tensor &input_row_offsets, const at::Tensor &cache_lengths,
+                                 const at::Tensor &lookup_table, const std::optional<at::Tensor> &k_scales,
+                                 const std::optional<at::Tensor> &v_scales, int64_t quant_group) {
+  pkv_store_args a{};
+  a.key = describe(key);
+  a.value = describe(value);
+  a.k_cache = describe(k_cache);
+  a.v_cache = describe(v_cache);
+  a.input_row_offsets = describe(input_row_offsets);
+  a.cache_lengths = describe(cache_lengths);
+  a.lookup_table = describe(lookup_table);
+  a.k_scales = describe(k_scales);
+  a.v_scales = describe(v_scales);
+  a.quant_group = quant_group;
+  return a;
+}
+
+inline pkv_load_args load_args(const at::Tensor &cache, const std::optional<at::Tensor> &scales,
+                               const at::Tensor &lookup_table, const at::Tensor &seq_lens,
+                               const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group) {
+  pkv_load_args a{};
+  a.cache = describe(cache);
+  a.scales = describe(scales);
+  a.lookup_table = describe(lookup_table);
+  a.seq_lens = describe(seq_lens);
+  a.output_row_offsets = describe(output_row_offsets);
+  a.out = describe(out);
+  a.quant_group = quant_group;
+  return a;
+}
+
+inline pkv_attn_args attn_args(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+                               const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                               const at::Tensor &lookup_table, const std::optional<double> &scale, bool causal,
+                               const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                               int64_t quant_group, int64_t window_left, double softcap, const at::Tensor &out) {
+  pkv_attn_args a{};
+  a.q = describe(q);
+  a.input_row_offsets = describe(input_row_offsets);
+  a.k_cache = describe(k_cache);
+  a.v_cache = describe(v_cache);
+  a.cache_lengths = describe(cache_lengths);
+  a.lookup_table = describe(lookup_table);
+  a.k_scales = describe(k_scales);
+  a.v_scales = describe(v_scales);
+  a.out = out.defined() ? describe(out) : pkv_tensor{};
+  a.scale = resolve_scale(scale, q);
+  a.causal = causal ? 1 : 0;
+  a.quant_group = quant_group;
+  a.window_left = window_left;
+  a.softcap = softcap;
+  return a;
+}
+
+// Output of the functional flash_attn_paged: [T, Hq, Dv] in q's dtype, or an
+// undefined tensor when the shapes are wrong (the check then names the argument).
+inline at::Tensor attn_output(const at::Tensor &q, const at::Tensor &v_cache) {
+  if (q.dim() != 3 || v_cache.dim() != 4) return at::Tensor();
+  return at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,19 @@
+"""pagedkv: paged KV-cache operators for PyTorch.
+
+Importing the package registers torch.ops.pagedkv.{paged_store, paged_load,
+flash_attn_paged}; the functions below are typed wrappers of the same ops.
+"""
+
+from . import reference
+from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "paged_store",
+    "paged_load",
+    "flash_attn_paged",
+    "set_checks",
+    "checks_enabled",
+    "reference",
+]

@@ -1,0 +1,146 @@
+"""Typed Python front of the torch ops in CONTRACT.md, plus their fake
+(meta) kernels so the ops trace under torch.compile.
+
+Shapes: B rows this step, T ragged token rows, Hq/Hk query/KV heads, D/Dv
+key/value head size, N pages of P tokens, G channels per FP8 scale.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers torch.ops.pagedkv)
+
+_ops = torch.ops.pagedkv
+
+__all__ = ["paged_store", "paged_load", "flash_attn_paged", "set_checks", "checks_enabled"]
+
+
+def paged_store(
+    key: torch.Tensor,
+    value: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    input_row_offsets: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
+    quant_group: int = 128,
+) -> None:
+    """Write this step's new K/V rows into their pages (in place).
+
+    key [T, Hk, D], value [T, Hk, Dv] or None (K-only cache), float32/float16/bfloat16.
+    k_cache [N, P, Hk, D], v_cache [N, P, Hk, Dv] or None: any strides with stride(-1) == 1.
+    input_row_offsets int32 [B+1], cache_lengths int32 [B], lookup_table int32 [B, max_pages].
+    Row offsets[b] + i goes to position cache_lengths[b] + i of sequence b. FP8 caches need
+    float32 scales [N, P, Hk, ceil(D/G)]; each (token, head, group) gets scale amax / FP8_MAX.
+    Bad input raises RuntimeError naming the argument, with nothing written.
+    """
+    _ops.paged_store(
+        key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, quant_group
+    )
+
+
+def paged_load(
+    cache: torch.Tensor,
+    lookup_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scales: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    quant_group: int = 128,
+) -> torch.Tensor:
+    """Gather tokens [0, seq_lens[b]) of every row into a new [sum(seq_lens), Hk, D] tensor.
+
+    cache [N, P, Hk, D]; lookup_table int32 [B, max_pages]; seq_lens int32 [B]. FP8 caches are
+    dequantized with scales [N, P, Hk, ceil(D/G)]. out_dtype defaults to the cache dtype, or
+    float32 for FP8 caches. Reads the total length on the host (a sync on CUDA); use
+    torch.ops.pagedkv.paged_load with a preallocated out inside CUDA graphs.
+    """
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
+    if out_dtype is None:
+        out_dtype = torch.float32 if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache.dtype
+    offsets = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, out=offsets[1:])
+    total = int(offsets[-1].item())
+    out = torch.empty((total, cache.size(-2), cache.size(-1)), dtype=out_dtype, device=cache.device)
+    _ops.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group)
+    return out
+
+
+def flash_attn_paged(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
+    quant_group: int = 128,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of ragged queries over paged K/V (store first, then attend).
+
+    q [T, Hq, D] float32/float16/bfloat16 -> [T, Hq, Dv] in q's dtype. Query row
+    offsets[b] + i sits at position cache_lengths[b] + i; causal masking is bottom-right
+    aligned, window_left >= 0 also hides keys before p - window_left, softcap > 0 applies
+    softcap * tanh(s / softcap). Queries that see no key and padding rows give zeros.
+    With out= the result is written into a preallocated tensor.
+    """
+    args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
+            k_scales, v_scales, quant_group, window_left, softcap)
+    if out is None:
+        return _ops.flash_attn_paged(*args)
+    _ops.flash_attn_paged.out(*args, out=out)
+    return out
+
+
+def set_checks(enabled: bool) -> None:
+    """Check CUDA calls' index values on the host (same as PAGEDKV_CHECK=1). CPU always checks."""
+    _C.set_checks(bool(enabled))
+
+
+def checks_enabled() -> bool:
+    return bool(_C.checks_enabled())
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dim()}-D {str(x.dtype).replace('torch.', '')} tensor"
+    return type(x).__name__
+
+
+# ---- fake kernels: shapes and dtypes only, for torch.compile / meta tensors ----
+
+
+@torch.library.register_fake("pagedkv::paged_store")
+def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
+                      k_scales=None, v_scales=None, quant_group=128):
+    return None
+
+
+@torch.library.register_fake("pagedkv::paged_load")
+def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group=128):
+    return None
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged")
+def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
+                           causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1, softcap=0.0):
+    return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged.out")
+def _flash_attn_paged_out_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
+                               causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
+                               softcap=0.0, *, out):
+    return None
