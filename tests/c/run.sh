@@ -12,8 +12,8 @@ bin="$root/tests/c/bin"
 cc="${CC:-gcc}"
 # shellcheck disable=SC2206  # EXTRA_CFLAGS is a word list on purpose
 cflags=(-std=c11 -O1 -g -fno-omit-frame-pointer
-        -fsanitize=address,undefined -fno-sanitize-recover=all
-        -Wall -Wextra -pthread -I"$root/csrc/core" ${EXTRA_CFLAGS:-})
+  -fsanitize=address,undefined -fno-sanitize-recover=all
+  -Wall -Wextra -pthread -I"$root/csrc/core" ${EXTRA_CFLAGS:-})
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
@@ -23,33 +23,33 @@ rm -f "$bin"/core/*.o
 # The core is compiled once and linked into every test.
 objects=()
 for source in "$root"/csrc/core/*.c; do
-    object="$bin/core/$(basename "$source" .c).o"
-    "$cc" "${cflags[@]}" -c "$source" -o "$object"
-    objects+=("$object")
+  object="$bin/core/$(basename "$source" .c).o"
+  "$cc" "${cflags[@]}" -c "$source" -o "$object"
+  objects+=("$object")
 done
 
 tests=()
 if [ "$#" -gt 0 ]; then
-    for name in "$@"; do tests+=("$root/tests/c/${name%.c}.c"); done
+  for name in "$@"; do tests+=("$root/tests/c/${name%.c}.c"); done
 else
-    tests=("$root"/tests/c/test_*.c)
+  tests=("$root"/tests/c/test_*.c)
 fi
 if [ "${#tests[@]}" -eq 0 ]; then
-    echo "no tests/c/test_*.c found" >&2
-    exit 1
+  echo "no tests/c/test_*.c found" >&2
+  exit 1
 fi
 
 passed=0
 failed=()
 for source in "${tests[@]}"; do
-    name="$(basename "$source" .c)"
-    "$cc" "${cflags[@]}" "$source" "${objects[@]}" -o "$bin/$name" -lm
-    echo "== $name"
-    if "$bin/$name"; then
-        passed=$((passed + 1))
-    else
-        failed+=("$name")
-    fi
+  name="$(basename "$source" .c)"
+  "$cc" "${cflags[@]}" "$source" "${objects[@]}" -o "$bin/$name" -lm
+  echo "== $name"
+  if "$bin/$name"; then
+  passed=$((passed + 1))
+  else
+  failed+=("$name")
+  fi
 done
 
 echo "== $passed passed, ${#failed[@]} failed${failed:+: ${failed[*]}}"
