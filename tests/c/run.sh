@@ -46,9 +46,9 @@ for source in "${tests[@]}"; do
   "$cc" "${cflags[@]}" "$source" "${objects[@]}" -o "$bin/$name" -lm
   echo "== $name"
   if "$bin/$name"; then
-  passed=$((passed + 1))
+    passed=$((passed + 1))
   else
-  failed+=("$name")
+    failed+=("$name")
   fi
 done
 
