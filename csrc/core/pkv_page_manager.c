@@ -362,8 +362,11 @@ static int64_t pm_prefix_match(const pkv_page_manager *manager, const int32_t *t
   return matched;
 }
 
-/* The sequence's pending page (its logical page `page_index`) just became full: register it, or
- * find the registered page that already holds the same chain, and advance the chain. */
+/* The sequence's pending page (its logical page `page_index`, private: commit checked) just
+ * became full. If the same prefix already has a registered page, the sequence switches to that
+ * page and its own copy returns to the free list: both hold the KV of the same tokens after the
+ * same prefix, so one page per prefix is kept, and a registered page's predecessor is held by
+ * every holder of the page. Otherwise the page is registered. */
 static void pm_prefix_complete_page(pkv_page_manager *manager, pm_sequence *sequence, int64_t page_index) {
   const int32_t page = sequence->pages[page_index];
   const int32_t *tokens = sequence->pending_tokens;
@@ -371,11 +374,15 @@ static void pm_prefix_complete_page(pkv_page_manager *manager, pm_sequence *sequ
   int32_t canonical = page;
   const int32_t existing = pm_map_find(&manager->prefix_index, hash);
   if (existing >= 0) {
-    /* Same chain already registered: later pages chain to it. A hash collision with a
-     * different chain leaves this page unregistered (rare; only sharing is lost). */
-    if (pm_prefix_page_matches(manager, existing, sequence->chain_parent, sequence->chain_parent_generation, tokens)) {
+    if (existing != page &&
+        pm_prefix_page_matches(manager, existing, sequence->chain_parent, sequence->chain_parent_generation, tokens)) {
+      pm_page_ref(manager, existing);
+      sequence->pages[page_index] = existing;
+      pm_page_unref(manager, page);
       canonical = existing;
     }
+    /* Otherwise a hash collision with a different chain: this page stays unregistered (only
+     * sharing is lost; later pages of this sequence chain to it and are never matched). */
   } else if (!manager->page_registered[page]) {
     manager->page_registered[page] = true;
     manager->page_hash[page] = hash;
@@ -930,14 +937,10 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
   for (int64_t i = 0; i < manager->free_count; ++i) {
     const int32_t page = manager->free_stack[i];
     if (page < 0 || page >= n) {
-      return pm_fail(bad, message, message_size,
-                     "free list entry %lld is page %d, not in "
-                     "[0, %lld)",
-                     (long long)i, page, (long long)n);
+      return pm_fail(bad, message, message_size, "free list entry %lld is page %d, not in [0, %lld)", (long long)i,
+                     page, (long long)n);
     }
-    if (holders[page] != 0) {
-      return pm_fail(bad, message, message_size, "page %d is on the free list twice", page);
-    }
+    if (holders[page] != 0) return pm_fail(bad, message, message_size, "page %d is on the free list twice", page);
     holders[page] = -1;
   }
   if (manager->sequence_index.count != manager->num_sequences) {
@@ -946,38 +949,35 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
   }
   for (int64_t s = 0; s < manager->num_sequences; ++s) {
     const pm_sequence *sequence = &manager->sequences[s];
+    const long long id = (long long)sequence->id;
     if (pm_map_find(&manager->sequence_index, (uint64_t)sequence->id) != s) {
-      return pm_fail(bad, message, message_size, "sequence %lld is not indexed at slot %lld", (long long)sequence->id,
-                     (long long)s);
+      return pm_fail(bad, message, message_size, "sequence %lld is not indexed at slot %lld", id, (long long)s);
     }
     if (sequence->num_pages < 0 || sequence->num_pages > sequence->pages_capacity) {
-      return pm_fail(bad, message, message_size,
-                     "sequence %lld holds %lld pages in an array "
-                     "of %lld",
-                     (long long)sequence->id, (long long)sequence->num_pages, (long long)sequence->pages_capacity);
+      return pm_fail(bad, message, message_size, "sequence %lld holds %lld pages in an array of %lld", id,
+                     (long long)sequence->num_pages, (long long)sequence->pages_capacity);
     }
     if (sequence->length < 0 || sequence->length > sequence->num_pages * page_size) {
-      return pm_fail(bad, message, message_size,
-                     "sequence %lld has length %lld outside its "
-                     "capacity %lld",
-                     (long long)sequence->id, (long long)sequence->length,
-                     (long long)(sequence->num_pages * page_size));
+      return pm_fail(bad, message, message_size, "sequence %lld has length %lld outside its capacity %lld", id,
+                     (long long)sequence->length, (long long)(sequence->num_pages * page_size));
     }
     for (int64_t j = 0; j < sequence->num_pages; ++j) {
       const int32_t page = sequence->pages[j];
       if (page < 0 || page >= n) {
-        return pm_fail(bad, message, message_size,
-                       "sequence %lld page %lld is %d, not in "
-                       "[0, %lld)",
-                       (long long)sequence->id, (long long)j, page, (long long)n);
+        return pm_fail(bad, message, message_size, "sequence %lld page %lld is %d, not in [0, %lld)", id, (long long)j,
+                       page, (long long)n);
       }
       if (holders[page] < 0) {
-        return pm_fail(bad, message, message_size,
-                       "page %d is both free and held by "
-                       "sequence %lld",
-                       page, (long long)sequence->id);
+        return pm_fail(bad, message, message_size, "page %d is both free and held by sequence %lld", page, id);
       }
       holders[page] += 1;
+      /* One page per cached prefix: whoever holds a registered page holds its predecessor just before it. */
+      const int32_t previous = j > 0 ? sequence->pages[j - 1] : -1;
+      if (manager->prefix_ready && manager->page_registered[page] && manager->page_parent[page] != previous) {
+        return pm_fail(bad, message, message_size,
+                       "sequence %lld holds registered page %d at %lld after page %d, but its predecessor is %d", id,
+                       page, (long long)j, previous, manager->page_parent[page]);
+      }
     }
   }
   int64_t used = 0;
@@ -986,16 +986,11 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
   for (int64_t p = 0; p < n; ++p) {
     const int32_t expected = holders[p] < 0 ? 0 : holders[p];
     if (manager->refcount[p] != expected) {
-      return pm_fail(bad, message, message_size,
-                     "page %lld has reference count %d but %d "
-                     "holders%s",
-                     (long long)p, manager->refcount[p], expected, holders[p] < 0 ? " (it is free)" : "");
+      return pm_fail(bad, message, message_size, "page %lld has reference count %d but %d holders%s", (long long)p,
+                     manager->refcount[p], expected, holders[p] < 0 ? " (it is free)" : "");
     }
     if (holders[p] == 0) {
-      return pm_fail(bad, message, message_size,
-                     "page %lld is neither free nor held "
-                     "(leaked)",
-                     (long long)p);
+      return pm_fail(bad, message, message_size, "page %lld is neither free nor held (leaked)", (long long)p);
     }
     used += holders[p] > 0;
     shared += holders[p] > 1;
@@ -1005,10 +1000,12 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
         return pm_fail(bad, message, message_size, "free page %lld is in the prefix table", (long long)p);
       }
       if (pm_map_find(&manager->prefix_index, manager->page_hash[p]) != p) {
-        return pm_fail(bad, message, message_size,
-                       "registered page %lld is not indexed "
-                       "under its hash",
-                       (long long)p);
+        return pm_fail(bad, message, message_size, "registered page %lld is not indexed under its hash", (long long)p);
+      }
+      const int32_t parent = manager->page_parent[p];
+      if (parent >= 0 && manager->page_parent_generation[p] != manager->generation[parent]) {
+        return pm_fail(bad, message, message_size, "registered page %lld outlived its predecessor %d", (long long)p,
+                       parent);
       }
     }
   }
@@ -1021,9 +1018,7 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
                    (long long)manager->shared_count, (long long)shared);
   }
   if (registered != manager->prefix_index.count) {
-    return pm_fail(bad, message, message_size,
-                   "prefix table holds %lld entries for %lld "
-                   "registered pages",
+    return pm_fail(bad, message, message_size, "prefix table holds %lld entries for %lld registered pages",
                    (long long)manager->prefix_index.count, (long long)registered);
   }
   return PKV_PM_OK;

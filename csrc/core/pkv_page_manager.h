@@ -13,10 +13,12 @@
  *
  * Prefix sharing: commit() may be given the token ids it commits. Every page that becomes full
  * while the sequence's token history is known is registered in a prefix table under the hash of
- * its chain, hash(previous page's hash, this page's tokens). add_sequence() walks a prompt's
- * leading full pages through that table and shares every page whose tokens *and* predecessor
- * match (tokens are compared, hashes only locate candidates). A page leaves the table when its
- * reference count drops to zero.
+ * its chain, hash(previous page's hash, this page's tokens). If that prefix already has a
+ * registered page, the sequence switches to the registered page instead and its own copy is
+ * freed (same tokens after the same prefix: same KV), so there is one page per cached prefix.
+ * add_sequence() walks a prompt's leading full pages through the table and shares every page
+ * whose tokens *and* predecessor match (tokens are compared, hashes only locate candidates).
+ * A page leaves the table when its reference count drops to zero.
  *
  * Errors: every function returns a pkv_pm_status and, on failure, writes a human-readable message
  * into the caller's buffer (`message`, `message_size`; either may be NULL/0). A failed call
@@ -115,7 +117,9 @@ pkv_pm_status pkv_page_manager_reserve(pkv_page_manager *manager, int64_t seq_id
  * the pages written may be shared: reserve first). When `tokens` (n entries) is given and the
  * sequence's whole token history is known (every earlier commit had tokens, or the sequence
  * came from add_sequence/fork of such a sequence), each page that becomes full is registered
- * for prefix sharing. A commit without tokens ends prefix registration for this sequence. */
+ * for prefix sharing, or, when its prefix is already registered, replaced in this sequence by
+ * the registered page (its own page is freed: re-read the page list / re-export after commit).
+ * A commit without tokens ends prefix registration for this sequence. */
 pkv_pm_status pkv_page_manager_commit(pkv_page_manager *manager, int64_t seq_id, int64_t num_new_tokens,
                                       const int32_t *tokens, char *message, size_t message_size);
 

@@ -363,17 +363,31 @@ static void test_prefix_sharing(void) {
   CHECK(stats_of(manager).prefix_pages == 4, "4 registered pages, got %lld", (long long)stats_of(manager).prefix_pages);
   add_sequence(manager, 20, prompt, 17, 16);
 
-  /* A page computed twice (sequence 1's page 2, from the same tokens as sequence 2's page 2)
-   * is not registered twice, but the chain still continues through the registered copy. */
+  /* Pages computed twice (sequence 1's pages 2 and 3 hold the same prefix as sequence 2's):
+   * sequence 1 switches to the registered pages and frees its own; its page 4 registers. */
+  const int64_t free_before = stats_of(manager).free_pages;
   reserve(manager, 1, 10, src, dst);
+  CHECK(stats_of(manager).free_pages == free_before - 2, "two new pages");
+  pages_of(manager, 1, pages_a);
+  const int32_t own_page_3 = pages_a[3];
   EXPECT_OK(pkv_page_manager_commit(manager, 1, 10, prompt + 10, MSG));
+  CHECK(stats_of(manager).free_pages == free_before, "own copies of pages 2 and 3 freed");
   CHECK(stats_of(manager).prefix_pages == 5, "sequence 1 adds only its page 4, got %lld",
         (long long)stats_of(manager).prefix_pages);
+  CHECK(pages_of(manager, 1, pages_a) == 5 && pages_of(manager, 2, pages_b) == 4, "page counts");
+  CHECK(pages_a[2] == pages_b[2] && pages_a[3] == pages_b[3] && pages_a[3] != own_page_3, "switched to registered");
   add_sequence(manager, 21, prompt, 21, 20);
   check_invariants(manager);
 
+  /* The prefix stays cached while any holder lives, whoever registered it. */
+  EXPECT_OK(pkv_page_manager_release(manager, 2, MSG));
+  EXPECT_OK(pkv_page_manager_release(manager, 20, MSG));
+  EXPECT_OK(pkv_page_manager_release(manager, 21, MSG));
+  add_sequence(manager, 22, prompt, 21, 20);
+  check_invariants(manager);
+
   /* Releasing every holder removes pages from the table. */
-  const int64_t all[] = {1, 2, 3, 4, 5, 6, 8, 9, 20, 21};
+  const int64_t all[] = {1, 3, 4, 5, 6, 8, 9, 22};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
     EXPECT_OK(pkv_page_manager_release(manager, all[i], MSG));
     check_invariants(manager);
@@ -598,6 +612,7 @@ typedef struct world {
   int64_t cached_tokens; /* tokens served from the prefix table */
   int64_t copies;        /* copy-on-write pairs */
   int64_t out_of_pages;  /* refused reserves */
+  int64_t deduplicated;  /* pages freed by commits that switched to a registered page */
 } world;
 
 static void world_verify(world *w) {
@@ -662,13 +677,16 @@ static bool world_reserve(world *w, tracked *t, int64_t n, snapshot *scratch) {
 }
 
 /* Commits tokens (already in t->history past t->length) and writes them to the content. */
+/* Writes the tokens (already in t->history past t->length) like a kernel would, then commits. */
 static void world_commit(world *w, tracked *t, int64_t n, bool with_tokens) {
-  EXPECT_OK(pkv_page_manager_commit(w->manager, t->id, n, with_tokens ? t->history + t->length : NULL, MSG));
   int32_t pages[256];
   pages_of(w->manager, t->id, pages);
   for (int64_t pos = t->length; pos < t->length + n; ++pos) {
     w->content[pages[pos / w->page_size] * w->page_size + pos % w->page_size] = t->history[pos];
   }
+  const int64_t free_before = stats_of(w->manager).free_pages;
+  EXPECT_OK(pkv_page_manager_commit(w->manager, t->id, n, with_tokens ? t->history + t->length : NULL, MSG));
+  w->deduplicated += stats_of(w->manager).free_pages - free_before;
   t->length += n;
 }
 
@@ -780,9 +798,9 @@ static void random_run(uint64_t seed, int64_t num_pages, int64_t page_size, int 
         "pages leaked: %lld free of %lld", (long long)stats.free_pages, (long long)num_pages);
   printf(
       "  random N=%lld P=%lld seed=%llu: %d steps, %lld cached prompt tokens, %lld copies, "
-      "%lld out-of-pages\n",
+      "%lld deduplicated pages, %lld out-of-pages\n",
       (long long)num_pages, (long long)page_size, (unsigned long long)seed, steps, (long long)w->cached_tokens,
-      (long long)w->copies, (long long)w->out_of_pages);
+      (long long)w->copies, (long long)w->deduplicated, (long long)w->out_of_pages);
   /* With one-token pages every committed page is full, so nothing is ever copied. */
   CHECK(w->out_of_pages > 0, "the run must exercise exhaustion");
   CHECK(page_size == 1 || w->copies > 0, "the run must exercise copy-on-write");
