@@ -1,0 +1,338 @@
+"""Plain-torch reference implementations of the pagedkv ops (see CONTRACT.md).
+
+These functions define what the C/CUDA kernels must compute. They favour obviously-correct code over
+speed: loops over batch rows, explicit gathers, one softmax per row. Attention can run in float64.
+
+Shape symbols follow CONTRACT.md: B rows, T ragged tokens, Hq/Hk query/KV heads, D/Dv key/value head
+size, P page size, N pages, G quantization group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "FP8_DTYPES",
+    "FLOAT_DTYPES",
+    "fp8_max",
+    "is_fp8",
+    "num_scale_groups",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "gather_rows",
+    "contiguous_kv",
+    "paged_store",
+    "paged_load",
+    "flash_attn_paged",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
+    if not is_fp8(dtype):
+        raise ValueError(f"fp8_max: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    return float(torch.finfo(dtype).max)
+
+
+def num_scale_groups(head_dim: int, quant_group: int) -> int:
+    """ceil(D / G): number of FP8 scales per (token, head)."""
+    if quant_group < 1:
+        raise ValueError(f"quant_group must be >= 1, got {quant_group}")
+    return -(-head_dim // quant_group)
+
+
+def _group_bounds(head_dim: int, quant_group: int):
+    for g in range(num_scale_groups(head_dim, quant_group)):
+        yield g, g * quant_group, min((g + 1) * quant_group, head_dim)
+
+
+def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, group: int = 128):
+    """Quantize `x [..., D]` per group of `group` channels.
+
+    Returns `(q [..., D] fp8_dtype, scales [..., ceil(D/G)] float32)` with, per group,
+    `scale = amax / FP8_MAX` in float32 (1 when amax == 0) and
+    `q = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX))`, the division done in float32 and the
+    conversion rounding to nearest even.
+    """
+    fmax = fp8_max(fp8_dtype)
+    head_dim = x.shape[-1]
+    x32 = x.to(torch.float32)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(
+        (*x.shape[:-1], num_scale_groups(head_dim, group)), dtype=torch.float32, device=x.device
+    )
+    for g, lo, hi in _group_bounds(head_dim, group):
+        chunk = x32[..., lo:hi]
+        amax = chunk.abs().amax(dim=-1)
+        scale = amax / torch.tensor(fmax, dtype=torch.float32, device=x.device)
+        scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+        scaled = (chunk / scale.unsqueeze(-1)).clamp(-fmax, fmax)
+        q[..., lo:hi] = scaled.to(fp8_dtype)
+        scales[..., g] = scale
+    return q, scales
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scales: torch.Tensor, group: int = 128, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: `float(q) * s` for `q [..., D]`, `scales [..., ceil(D/G)]`.
+
+    The product is formed in float32 (float64 when `out_dtype` is float64, where it is exact) and
+    then converted to `out_dtype`.
+    """
+    compute = torch.float64 if out_dtype == torch.float64 else torch.float32
+    head_dim = q.shape[-1]
+    if scales.shape[-1] != num_scale_groups(head_dim, group):
+        raise ValueError(
+            f"scales must have ceil(D/G) = {num_scale_groups(head_dim, group)} groups, "
+            f"got {scales.shape[-1]}"
+        )
+    index = torch.arange(head_dim, device=q.device) // group
+    expanded = scales.to(compute).index_select(-1, index)
+    return (q.to(compute) * expanded).to(out_dtype)
+
+
+def _to_list(t: torch.Tensor) -> list[int]:
+    return [int(v) for v in t.detach().cpu().reshape(-1).tolist()]
+
+
+def _positions_to_slots(lookup_row: torch.Tensor, positions: torch.Tensor, page_size: int):
+    """Map logical positions of one sequence to (page, slot) index tensors (int64)."""
+    pages = lookup_row.to(torch.int64)[positions // page_size]
+    return pages, positions % page_size
+
+
+def gather_rows(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    lookup_table: torch.Tensor,
+    lengths,
+    *,
+    quant_group: int = 128,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Gather logical tokens `[0, lengths[b])` of every row from a paged `cache [N, P, Hk, D]`.
+
+    Returns a list of B tensors `[lengths[b], Hk, D]` in `out_dtype` (default: the cache dtype for
+    float caches, float32 for FP8 caches, which are dequantized with `scales`).
+    """
+    page_size = cache.shape[1]
+    if out_dtype is None:
+        out_dtype = torch.float32 if is_fp8(cache.dtype) else cache.dtype
+    if is_fp8(cache.dtype) and scales is None:
+        raise ValueError("gather_rows: scales are required for an FP8 cache")
+    rows = []
+    for b, length in enumerate(_to_list(torch.as_tensor(lengths))):
+        positions = torch.arange(length, device=cache.device)
+        pages, slots = _positions_to_slots(lookup_table[b], positions, page_size)
+        values = cache[pages, slots]
+        if is_fp8(cache.dtype):
+            values = dequantize_fp8(values, scales[pages, slots], quant_group, out_dtype)
+        else:
+            values = values.to(out_dtype)
+        rows.append(values)
+    return rows
+
+
+def contiguous_kv(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    lookup_table: torch.Tensor,
+    lengths,
+    *,
+    quant_group: int = 128,
+    out_dtype: torch.dtype | None = None,
+    padded: bool = False,
+):
+    """Gather a paged cache into contiguous memory (e.g. to feed torch SDPA as a peer).
+
+    `padded=False`: returns `(values [sum(lengths), Hk, D], row_offsets int32 [B+1])`.
+    `padded=True`: returns `(values [B, Hk, max(lengths), D], lengths int32 [B])`, zero-padded, in
+    the head-major layout SDPA expects.
+    """
+    rows = gather_rows(
+        cache, scales, lookup_table, lengths, quant_group=quant_group, out_dtype=out_dtype
+    )
+    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.int32)
+    if not padded:
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(lens, 0)
+        if rows:
+            values = torch.cat(rows, 0)
+        else:
+            values = cache.new_empty((0, *cache.shape[2:]), dtype=out_dtype or cache.dtype)
+        return values, offsets.to(cache.device)
+    max_len = int(lens.max()) if len(rows) else 0
+    dtype = rows[0].dtype if rows else (out_dtype or cache.dtype)
+    values = torch.zeros(
+        (len(rows), cache.shape[2], max_len, cache.shape[3]), dtype=dtype, device=cache.device
+    )
+    for b, r in enumerate(rows):
+        values[b, :, : r.shape[0]] = r.transpose(0, 1)
+    return values, lens.to(cache.device)
+
+
+def _row_spans(input_row_offsets: torch.Tensor) -> list[tuple[int, int]]:
+    offsets = _to_list(input_row_offsets)
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _store_one(src, cache, scales, lookup_row, start_pos, quant_group):
+    # src [n, Hk, D]; writes logical positions [start_pos, start_pos + n).
+    n = src.shape[0]
+    if n == 0:
+        return
+    positions = torch.arange(start_pos, start_pos + n, device=cache.device)
+    pages, slots = _positions_to_slots(lookup_row, positions, cache.shape[1])
+    if is_fp8(cache.dtype):
+        q, s = quantize_fp8(src, cache.dtype, quant_group)
+        cache[pages, slots] = q
+        scales[pages, slots] = s
+    else:
+        cache[pages, slots] = src.to(cache.dtype)
+
+
+def paged_store(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    input_row_offsets: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    quant_group: int = 128,
+) -> None:
+    """Write the new tokens of every row into the paged caches (in place).
+
+    key [T, Hk, D], value [T, Hk, Dv] or None (K-only caches), k_cache [N, P, Hk, D],
+    v_cache [N, P, Hk, Dv] or None, input_row_offsets int32 [B+1], cache_lengths int32 [B],
+    lookup_table int32 [B, max_pages], k_scales/v_scales float32 [N, P, Hk, ceil(D/G)] (FP8 only).
+
+    Row `offsets[b] + i` goes to position `cache_lengths[b] + i` of sequence b. FP8 caches get the
+    per-(token, head, group) quantization of `quantize_fp8` and its scales.
+    """
+    if (value is None) != (v_cache is None):
+        raise ValueError("value must be None if and only if v_cache is None")
+    if is_fp8(k_cache.dtype) and k_scales is None:
+        raise ValueError("k_scales is required for an FP8 k_cache")
+    if v_cache is not None and is_fp8(v_cache.dtype) and v_scales is None:
+        raise ValueError("v_scales is required for an FP8 v_cache")
+    lengths = _to_list(cache_lengths)
+    for b, (start, end) in enumerate(_row_spans(input_row_offsets)):
+        _store_one(key[start:end], k_cache, k_scales, lookup_table[b], lengths[b], quant_group)
+        if v_cache is not None:
+            _store_one(value[start:end], v_cache, v_scales, lookup_table[b], lengths[b], quant_group)
+
+
+def paged_load(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    lookup_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    output_row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    quant_group: int = 128,
+) -> None:
+    """Gather tokens `[0, seq_lens[b])` of each row into `out[output_row_offsets[b] + t]` (in place).
+
+    cache [N, P, Hk, D], scales float32 [N, P, Hk, ceil(D/G)] or None, lookup_table int32
+    [B, max_pages], seq_lens int32 [B], output_row_offsets int32 [B] or [B+1] (only the first B
+    entries are read), out [T_out, Hk, D]. FP8 entries are dequantized as `float(q) * s`.
+    """
+    offsets = _to_list(output_row_offsets)
+    rows = gather_rows(
+        cache, scales, lookup_table, seq_lens, quant_group=quant_group, out_dtype=out.dtype
+    )
+    for b, row in enumerate(rows):
+        out[offsets[b] : offsets[b] + row.shape[0]] = row
+
+
+def flash_attn_paged(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    quant_group: int = 128,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Attention of ragged queries over paged K/V; returns `[T, Hq, Dv]` in q's dtype.
+
+    q [T, Hq, D], input_row_offsets int32 [B+1], k_cache [N, P, Hk, D], v_cache [N, P, Hk, Dv],
+    cache_lengths int32 [B] (tokens before this step; the step's own K/V are already stored),
+    lookup_table int32 [B, max_pages].
+
+    Query row `offsets[b] + i` sits at `p = cache_lengths[b] + i` and, when causal, sees key j iff
+    `j <= p` (and `j >= p - window_left` when window_left >= 0). Scores are `scale * q.k`
+    (scale defaults to 1/sqrt(D)), soft-capped as `softcap * tanh(s / softcap)` when softcap > 0.
+    Everything is computed in `compute_dtype`. Rows seeing no key and padding rows give zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq ({num_q_heads}) must be a multiple of Hk ({num_kv_heads})")
+    group_size = num_q_heads // num_kv_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(
+        (num_tokens, num_q_heads, v_cache.shape[-1]), dtype=compute_dtype, device=q.device
+    )
+    lengths = _to_list(cache_lengths)
+    for b, (start, end) in enumerate(_row_spans(input_row_offsets)):
+        num_new = end - start
+        if num_new == 0:
+            continue
+        num_keys = lengths[b] + num_new
+        keys = gather_rows(
+            k_cache, k_scales, lookup_table[b : b + 1], [num_keys],
+            quant_group=quant_group, out_dtype=compute_dtype,
+        )[0]
+        values = gather_rows(
+            v_cache, v_scales, lookup_table[b : b + 1], [num_keys],
+            quant_group=quant_group, out_dtype=compute_dtype,
+        )[0]
+        # [num_keys, Hk, D] -> [Hq, num_keys, D]
+        keys = keys.repeat_interleave(group_size, dim=1).transpose(0, 1)
+        values = values.repeat_interleave(group_size, dim=1).transpose(0, 1)
+        query_pos = lengths[b] + torch.arange(num_new, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(num_keys, device=q.device).unsqueeze(0)
+        visible = torch.ones((num_new, num_keys), dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= key_pos <= query_pos
+        if window_left >= 0:
+            visible &= key_pos >= query_pos - window_left
+        # Keys no query of the row can see (e.g. evicted by a sliding window) may hold garbage:
+        # keep them out of the products entirely.
+        never_visible = ~visible.any(dim=0)
+        keys = keys.masked_fill(never_visible[None, :, None], 0)
+        values = values.masked_fill(never_visible[None, :, None], 0)
+        queries = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
+        scores = scale * (queries @ keys.transpose(1, 2))  # [Hq, n, num_keys]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(scores - row_max)
+        denom = weights.sum(dim=-1, keepdim=True)
+        probs = torch.where(denom > 0, weights / denom.clamp_min(1e-300), torch.zeros_like(weights))
+        out[start:end] = (probs @ values).transpose(0, 1)
+    return out.to(q.dtype)

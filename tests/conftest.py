@@ -1,0 +1,427 @@
+"""Shared test helpers: seeded data, the four cache layouts of CONTRACT.md, poison fills.
+
+A `PagedKV` holds the storage tensors ("bases") of one layout and rebuilds the strided per-layer
+views from them, so a test can clone the whole storage, run the reference on the clone and the real
+op on the original, and compare every byte of every base (which also proves that nothing outside the
+addressed slots changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Callable
+
+import pytest
+import torch
+
+from pagedkv import reference as ref
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+LAYOUTS = ("collection", "fa3", "separate", "continuous")
+
+# Channels of padding added to the head dim (and one extra scale group) for non-contiguous views.
+NONCONTIG_PAD = 8
+# Layer used inside multi-layer layouts, so views never start at the base's first element.
+VIEW_LAYER = 1
+NUM_LAYERS = 2
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"),
+    ),
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def seed_from(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+@pytest.fixture
+def rng(request) -> torch.Generator:
+    """A torch.Generator seeded from the test id: reproducible and different per test."""
+    return generator(seed_from(request.node.nodeid))
+
+
+def randn(gen, shape, dtype=torch.float32, device="cpu", scale=1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def poison_(t: torch.Tensor, kind: str = "nan", gen: torch.Generator | None = None) -> torch.Tensor:
+    """Fill a (contiguous) tensor with NaN, or with random bytes (`kind="bytes"`)."""
+    if kind == "nan":
+        t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+    elif kind == "bytes":
+        raw = torch.randint(0, 256, (t.numel() * t.element_size(),), generator=gen, dtype=torch.uint8)
+        t.view(torch.uint8).copy_(raw.view(t.view(torch.uint8).shape).to(t.device))
+    else:
+        raise ValueError(kind)
+    return t
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor"):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    a, e = as_bytes(actual).cpu(), as_bytes(expected).cpu()
+    if torch.equal(a, e):
+        return
+    diff = (a != e).reshape(actual.shape + (-1,) if actual.dim() else (-1,)).any(-1)
+    idx = diff.nonzero()[:5].tolist()
+    first = tuple(idx[0])
+    raise AssertionError(
+        f"{what}: {int(diff.sum())} of {actual.numel()} elements differ; first at {idx}: "
+        f"got {actual[first].float().item() if actual.dim() else actual.item()!r} "
+        f"expected {expected[first].float().item() if expected.dim() else expected.item()!r}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+
+
+@dataclasses.dataclass
+class PagedKV:
+    """Storage of one layout plus a function rebuilding the op views from it."""
+
+    layout: str
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    quant_group: int
+    k_only: bool
+    noncontig: bool
+    bases: dict[str, torch.Tensor]
+    make_views: Callable[[dict], tuple]
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def views(self):
+        """(k_cache, v_cache, k_scales, v_scales); v_* None for K-only, scales None for floats."""
+        return self.make_views(self.bases)
+
+    k_cache = property(lambda self: self.views[0])
+    v_cache = property(lambda self: self.views[1])
+    k_scales = property(lambda self: self.views[2])
+    v_scales = property(lambda self: self.views[3])
+
+    def clone(self) -> "PagedKV":
+        return dataclasses.replace(self, bases={k: v.clone() for k, v in self.bases.items()})
+
+    def poison_(self, kind="nan", gen=None) -> "PagedKV":
+        for base in self.bases.values():
+            poison_(base, kind, gen)
+        return self
+
+    def assert_equal(self, other: "PagedKV", what=""):
+        for name in self.bases:
+            assert_bytes_equal(self.bases[name], other.bases[name], f"{what} base {name!r}")
+
+    def snapshot(self) -> dict:
+        return {k: v.clone() for k, v in self.bases.items()}
+
+
+def make_paged_kv(
+    layout: str,
+    *,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    quant_group: int = 128,
+    k_only: bool = False,
+    noncontig: bool = False,
+    device="cpu",
+) -> PagedKV:
+    """Allocate one of the four layouts of CONTRACT.md and describe its views.
+
+    - "collection": [N, 2|1, L, P, Hk, D] , views blocks[:, i, VIEW_LAYER]
+    - "fa3":        [2|1, N, P, Hk, D]    , views blocks[i]
+    - "separate":   K and V pools [N, P, Hk, D]; noncontig: one [N, P, 2, Hk, D] (K/V interleaved)
+    - "continuous": [slots, 2|1, L, max_len, Hk, D], P = max_len, views blocks[:, i, VIEW_LAYER]
+    `noncontig` pads the head dim (and the scale groups) so rows are not dense.
+    The storage starts as NaN (-1 for integers) everywhere.
+    """
+    num_kv = 1 if k_only else 2
+    pad = NONCONTIG_PAD if noncontig else 0
+    groups = ref.num_scale_groups(head_dim, quant_group)
+    fp8 = dtype in FP8_DTYPES
+    N, P, H, D = num_pages, page_size, num_kv_heads, head_dim
+
+    def alloc(lead, last, dt):
+        return poison_(torch.empty((*lead, last), dtype=dt, device=device))
+
+    if layout in ("collection", "continuous"):
+        lead = (N, num_kv, NUM_LAYERS, P, H)
+        bases = {"k": alloc(lead, D + pad, dtype)}
+        if fp8:
+            bases["ks"] = alloc(lead, groups + (1 if noncontig else 0), torch.float32)
+
+        def views(b):
+            kv = [b["k"][:, i, VIEW_LAYER, ..., :D] for i in range(num_kv)]
+            sc = [b["ks"][:, i, VIEW_LAYER, ..., :groups] for i in range(num_kv)] if fp8 else []
+            return _pack(kv, sc)
+
+    elif layout == "fa3":
+        lead = (num_kv, N, P, H)
+        bases = {"k": alloc(lead, D + pad, dtype)}
+        if fp8:
+            bases["ks"] = alloc(lead, groups + (1 if noncontig else 0), torch.float32)
+
+        def views(b):
+            kv = [b["k"][i, ..., :D] for i in range(num_kv)]
+            sc = [b["ks"][i, ..., :groups] for i in range(num_kv)] if fp8 else []
+            return _pack(kv, sc)
+
+    elif layout == "separate":
+        if noncontig:
+            lead = (N, P, num_kv, H)
+            bases = {"k": alloc(lead, D + pad, dtype)}
+            if fp8:
+                bases["ks"] = alloc(lead, groups + 1, torch.float32)
+
+            def views(b):
+                kv = [b["k"][:, :, i, :, :D] for i in range(num_kv)]
+                sc = [b["ks"][:, :, i, :, :groups] for i in range(num_kv)] if fp8 else []
+                return _pack(kv, sc)
+
+        else:
+            lead = (N, P, H)
+            names = ["k", "v"][:num_kv]
+            bases = {n: alloc(lead, D, dtype) for n in names}
+            if fp8:
+                bases.update({n + "s": alloc(lead, groups, torch.float32) for n in names})
+
+            def views(b):
+                kv = [b[n] for n in names]
+                sc = [b[n + "s"] for n in names] if fp8 else []
+                return _pack(kv, sc)
+
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return PagedKV(layout, N, P, H, D, dtype, quant_group, k_only, noncontig, bases, views)
+
+
+def _pack(kv, sc):
+    k = kv[0]
+    v = kv[1] if len(kv) > 1 else None
+    ks = sc[0] if sc else None
+    vs = sc[1] if len(sc) > 1 else None
+    return k, v, ks, vs
+
+
+# --------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclasses.dataclass
+class Batch:
+    """Per-step metadata: rows (cache_length, new_tokens) and their int32 tensors."""
+
+    rows: list  # [(cache_length, new_tokens)]
+    num_tokens: int  # T >= offsets[B] (the rest is padding)
+    input_row_offsets: torch.Tensor  # int32 [B+1]
+    cache_lengths: torch.Tensor  # int32 [B]
+    lookup_table: torch.Tensor  # int32 [B, max_pages]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:  # int32 [B], lengths after the store
+        return torch.tensor([c + n for c, n in self.rows], dtype=torch.int32).to(
+            self.cache_lengths.device
+        )
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(n for _, n in self.rows)
+
+
+def pages_needed(rows, page_size):
+    return [math.ceil((c + n) / page_size) for c, n in rows]
+
+
+def make_batch(
+    gen,
+    rows,
+    *,
+    page_size: int,
+    num_pages: int | None = None,
+    padding: int = 0,
+    extra_columns: int = 1,
+    unused: str = "random",
+    layout: str = "collection",
+    device="cpu",
+):
+    """Build offsets, cache lengths and a lookup table over a random permutation of pages.
+
+    `unused` fills table entries past each row's last page: "random" (valid ids of other pages),
+    "garbage" (-1, N, INT32_MAX), or "zero". For "continuous" the table is [B, 1] (one slot per row).
+    Returns (batch, num_pages).
+    """
+    counts = pages_needed(rows, page_size)
+    if layout == "continuous":
+        assert all(c <= 1 for c in counts), "continuous rows must fit one slot"
+        counts = [1] * len(rows)
+        extra_columns = 0
+    total = sum(counts)
+    if num_pages is None:
+        num_pages = total + 3
+    assert num_pages >= total
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    max_pages = max(counts, default=0) + extra_columns
+    max_pages = max(max_pages, 1)
+    table = torch.empty((len(rows), max_pages), dtype=torch.int32)
+    if unused == "random":
+        table.copy_(torch.randint(0, num_pages, table.shape, generator=gen, dtype=torch.int32))
+    elif unused == "garbage":
+        choices = torch.tensor([-1, num_pages, 2**31 - 1, -(2**31)], dtype=torch.int32)
+        table.copy_(choices[torch.randint(0, 4, table.shape, generator=gen)])
+    elif unused == "zero":
+        table.zero_()
+    else:
+        raise ValueError(unused)
+    next_page = 0
+    for b, count in enumerate(counts):
+        table[b, :count] = torch.tensor(perm[next_page : next_page + count], dtype=torch.int32)
+        next_page += count
+    offsets = [0]
+    for _, n in rows:
+        offsets.append(offsets[-1] + n)
+    batch = Batch(
+        rows=list(rows),
+        num_tokens=offsets[-1] + padding,
+        input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
+        cache_lengths=torch.tensor([c for c, _ in rows], dtype=torch.int32, device=device),
+        lookup_table=table.to(device),
+    )
+    return batch, num_pages
+
+
+def make_setup(
+    gen,
+    rows,
+    *,
+    layout,
+    page_size,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    quant_group=128,
+    k_only=False,
+    noncontig=False,
+    padding=0,
+    unused="random",
+    extra_columns=1,
+    device="cpu",
+):
+    """A layout sized for `rows` and its batch. For "continuous" P becomes the slot length."""
+    if layout == "continuous":
+        page_size = max([c + n for c, n in rows], default=0) + 3
+    batch, num_pages = make_batch(
+        gen, rows, page_size=page_size, padding=padding, unused=unused, layout=layout,
+        extra_columns=extra_columns, device=device,
+    )
+    kv = make_paged_kv(
+        layout,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        quant_group=quant_group,
+        k_only=k_only,
+        noncontig=noncontig,
+        device=device,
+    )
+    return kv, batch
+
+
+def ragged_inputs(gen, num_tokens, num_heads, head_dim, dtype, device="cpu", noncontig=False):
+    """Random [T, H, D] input; `noncontig` slices it out of a wider fused tensor (like qkv)."""
+    if not noncontig:
+        return randn(gen, (num_tokens, num_heads, head_dim), dtype, device)
+    fused = randn(gen, (num_tokens, num_heads + 3, head_dim + 4), dtype, device)
+    return fused[:, 1 : num_heads + 1, 2 : head_dim + 2]
+
+
+def fill_history(gen, kv: PagedKV, batch: Batch, key_dtype=torch.float32, v_head_dim=None):
+    """Write random K/V for every position [0, cache_length + new) of every row (reference store)."""
+    totals = [c + n for c, n in batch.rows]
+    offsets = [0]
+    for t in totals:
+        offsets.append(offsets[-1] + t)
+    device = batch.lookup_table.device
+    key = randn(gen, (offsets[-1], kv.num_kv_heads, kv.head_dim), key_dtype, device)
+    value = None
+    if not kv.k_only:
+        value = randn(gen, (offsets[-1], kv.num_kv_heads, kv.head_dim), key_dtype, device)
+    k, v, ks, vs = kv.views
+    ref.paged_store(
+        key,
+        value,
+        k,
+        v,
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        torch.zeros(len(totals), dtype=torch.int32, device=device),
+        batch.lookup_table,
+        ks,
+        vs,
+        kv.quant_group,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tolerances
+
+
+def attention_tolerance(q_dtype: torch.dtype) -> float:
+    return 1e-5 if q_dtype == torch.float32 else 2e-2
+
+
+def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, q_dtype, what=""):
+    """Per-query-row relative L2 error <= tolerance; rows the reference zeroes must be exact 0."""
+    assert out.dtype == q_dtype, f"{what}: output dtype {out.dtype}, expected {q_dtype}"
+    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(expected.shape)}"
+    got = out.detach().cpu().to(torch.float64)
+    exp = expected.detach().cpu().to(torch.float64)
+    assert torch.isfinite(got).all(), f"{what}: non-finite output at {(~torch.isfinite(got)).nonzero()[:5].tolist()}"
+    zero_rows = (exp == 0).flatten(1).all(1)
+    if zero_rows.any():
+        bad = (got[zero_rows] != 0).flatten(1).any(1)
+        assert not bad.any(), (
+            f"{what}: rows {zero_rows.nonzero().flatten()[bad].tolist()} must be exactly zero"
+        )
+    live = ~zero_rows
+    if live.any():
+        err = (got[live] - exp[live]).flatten(1).norm(dim=1)
+        rel = err / exp[live].flatten(1).norm(dim=1)
+        tol = attention_tolerance(q_dtype)
+        worst = int(rel.argmax())
+        assert rel.max() <= tol, (
+            f"{what}: relative error {rel.max().item():.3e} > {tol:.0e} at token "
+            f"{live.nonzero().flatten()[worst].item()}"
+        )
