@@ -47,6 +47,24 @@ const char *pkv_pm_status_name(pkv_pm_status status) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Allocation                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+#ifdef PKV_PM_ALLOC_FAILURE_INJECTION
+/* Test hook (tests/c builds only): when > 0, the allocation that brings it to 0 fails. */
+long pkv_pm_fail_allocation_after = 0;
+static bool pm_allocation_fails(void) {
+  return pkv_pm_fail_allocation_after > 0 && --pkv_pm_fail_allocation_after == 0;
+}
+#else
+static bool pm_allocation_fails(void) { return false; }
+#endif
+
+static void *pm_malloc(size_t size) { return pm_allocation_fails() ? NULL : malloc(size); }
+static void *pm_calloc(size_t count, size_t size) { return pm_allocation_fails() ? NULL : calloc(count, size); }
+static void *pm_realloc(void *pointer, size_t size) { return pm_allocation_fails() ? NULL : realloc(pointer, size); }
+
+/* ------------------------------------------------------------------------------------------ */
 /* Hashing                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -135,8 +153,8 @@ static bool pm_map_reserve(pm_map *map, int64_t count) {
   if (count * 2 <= map->capacity) return true;
   int64_t capacity = map->capacity > 0 ? map->capacity : 16;
   while (capacity < count * 2) capacity *= 2;
-  uint64_t *keys = malloc((size_t)capacity * sizeof(uint64_t));
-  int32_t *values = malloc((size_t)capacity * sizeof(int32_t));
+  uint64_t *keys = pm_malloc((size_t)capacity * sizeof(uint64_t));
+  int32_t *values = pm_malloc((size_t)capacity * sizeof(int32_t));
   if (keys == NULL || values == NULL) {
     free(keys);
     free(values);
@@ -239,7 +257,7 @@ static bool pm_sequence_reserve_pages(pm_sequence *sequence, int64_t count) {
   if (count <= sequence->pages_capacity) return true;
   int64_t capacity = sequence->pages_capacity > 0 ? sequence->pages_capacity * 2 : 4;
   if (capacity < count) capacity = count;
-  int32_t *pages = realloc(sequence->pages, (size_t)capacity * sizeof(int32_t));
+  int32_t *pages = pm_realloc(sequence->pages, (size_t)capacity * sizeof(int32_t));
   if (pages == NULL) return false;
   sequence->pages = pages;
   sequence->pages_capacity = capacity;
@@ -251,7 +269,7 @@ static bool pm_reserve_sequence_slot(pkv_page_manager *manager) {
   if (manager->num_sequences >= INT32_MAX - 1) return false;
   if (manager->num_sequences == manager->sequences_capacity) {
     const int64_t capacity = manager->sequences_capacity > 0 ? manager->sequences_capacity * 2 : 8;
-    pm_sequence *sequences = realloc(manager->sequences, (size_t)capacity * sizeof(pm_sequence));
+    pm_sequence *sequences = pm_realloc(manager->sequences, (size_t)capacity * sizeof(pm_sequence));
     if (sequences == NULL) return false;
     manager->sequences = sequences;
     manager->sequences_capacity = capacity;
@@ -274,11 +292,11 @@ static bool pm_prefix_init(pkv_page_manager *manager) {
   const size_t n = (size_t)manager->num_pages;
   const size_t p = (size_t)manager->page_size;
   if (p != 0 && n > SIZE_MAX / sizeof(int32_t) / p) return false;
-  bool *registered = calloc(n, sizeof(bool));
-  uint64_t *hashes = malloc(n * sizeof(uint64_t));
-  int32_t *parents = malloc(n * sizeof(int32_t));
-  uint32_t *parent_generations = malloc(n * sizeof(uint32_t));
-  int32_t *tokens = malloc(n * p * sizeof(int32_t));
+  bool *registered = pm_calloc(n, sizeof(bool));
+  uint64_t *hashes = pm_malloc(n * sizeof(uint64_t));
+  int32_t *parents = pm_malloc(n * sizeof(int32_t));
+  uint32_t *parent_generations = pm_malloc(n * sizeof(uint32_t));
+  int32_t *tokens = pm_malloc(n * p * sizeof(int32_t));
   if (registered == NULL || hashes == NULL || parents == NULL || parent_generations == NULL || tokens == NULL) {
     free(registered);
     free(hashes);
@@ -418,11 +436,11 @@ pkv_pm_status pkv_page_manager_create(int64_t num_pages, int64_t page_size, pkv_
     return pm_fail(PKV_PM_BAD_ARGUMENT, message, message_size, "page_size must be in [1, %d], got %lld", INT32_MAX,
                    (long long)page_size);
   }
-  pkv_page_manager *manager = calloc(1, sizeof(pkv_page_manager));
+  pkv_page_manager *manager = pm_calloc(1, sizeof(pkv_page_manager));
   if (manager != NULL) {
-    manager->refcount = calloc((size_t)num_pages, sizeof(int32_t));
-    manager->generation = calloc((size_t)num_pages, sizeof(uint32_t));
-    manager->free_stack = malloc((size_t)num_pages * sizeof(int32_t));
+    manager->refcount = pm_calloc((size_t)num_pages, sizeof(int32_t));
+    manager->generation = pm_calloc((size_t)num_pages, sizeof(uint32_t));
+    manager->free_stack = pm_malloc((size_t)num_pages * sizeof(int32_t));
   }
   if (manager == NULL || manager->refcount == NULL || manager->generation == NULL || manager->free_stack == NULL) {
     pkv_page_manager_destroy(manager);
@@ -689,7 +707,7 @@ static pkv_pm_status pm_commit(pkv_page_manager *manager, int64_t seq_id, int64_
     bool ok =
         pm_prefix_init(manager) && pm_map_reserve(&manager->prefix_index, manager->prefix_index.count + completed);
     if (ok && sequence->pending_tokens == NULL) {
-      sequence->pending_tokens = malloc((size_t)page_size * sizeof(int32_t));
+      sequence->pending_tokens = pm_malloc((size_t)page_size * sizeof(int32_t));
       ok = sequence->pending_tokens != NULL;
     }
     if (!ok) {
@@ -744,7 +762,7 @@ static pkv_pm_status pm_fork(pkv_page_manager *manager, int64_t src_seq_id, int6
   const int64_t shared_pages = pm_ceil_div(source->length, manager->page_size);
   ok = ok && pm_sequence_reserve_pages(&copy, shared_pages);
   if (ok && source->chain_known && source->pending_tokens != NULL) {
-    copy.pending_tokens = malloc((size_t)manager->page_size * sizeof(int32_t));
+    copy.pending_tokens = pm_malloc((size_t)manager->page_size * sizeof(int32_t));
     ok = copy.pending_tokens != NULL;
   }
   if (!ok) {
@@ -1027,7 +1045,7 @@ static pkv_pm_status pm_check_invariants(pkv_page_manager *manager, int32_t *hol
 pkv_pm_status pkv_page_manager_check_invariants(pkv_page_manager *manager, char *message, size_t message_size) {
   pkv_pm_status status = pm_enter(manager, message, message_size);
   if (status != PKV_PM_OK) return status;
-  int32_t *holders = calloc((size_t)manager->num_pages, sizeof(int32_t));
+  int32_t *holders = pm_calloc((size_t)manager->num_pages, sizeof(int32_t));
   if (holders == NULL) {
     status = pm_fail(PKV_PM_OUT_OF_MEMORY, message, message_size, "cannot allocate %lld counters to check invariants",
                      (long long)manager->num_pages);
@@ -1074,7 +1092,7 @@ pkv_pm_status pkv_copy_pages_check(int64_t num_pages, const int32_t *src_pages, 
     return pm_fail(PKV_PM_BAD_ARGUMENT, message, message_size,
                    "dst_pages must not overlap src_pages, page %d is in both", dst_pages[0]);
   }
-  int32_t *sorted = malloc((size_t)num_copies * 2 * sizeof(int32_t));
+  int32_t *sorted = pm_malloc((size_t)num_copies * 2 * sizeof(int32_t));
   if (sorted == NULL) {
     return pm_fail(PKV_PM_OUT_OF_MEMORY, message, message_size, "cannot allocate %lld entries to check page copies",
                    (long long)num_copies);

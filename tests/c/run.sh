@@ -11,9 +11,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 bin="$root/tests/c/bin"
 cc="${CC:-gcc}"
 # shellcheck disable=SC2206  # EXTRA_CFLAGS is a word list on purpose
+# PKV_PM_ALLOC_FAILURE_INJECTION: test hook letting tests make the page manager's allocations fail.
 cflags=(-std=c11 -O1 -g -fno-omit-frame-pointer
   -fsanitize=address,undefined -fno-sanitize-recover=all
-  -Wall -Wextra -pthread -I"$root/csrc/core" ${EXTRA_CFLAGS:-})
+  -Wall -Wextra -pthread -I"$root/csrc/core" -DPKV_PM_ALLOC_FAILURE_INJECTION ${EXTRA_CFLAGS:-})
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 

@@ -490,6 +490,107 @@ static void test_copy_pages_check(void) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Allocation failures: every allocation point of every call fails once; nothing may change    */
+/* ------------------------------------------------------------------------------------------ */
+
+extern long pkv_pm_fail_allocation_after; /* PKV_PM_ALLOC_FAILURE_INJECTION hook */
+
+typedef enum { OP_ADD, OP_RESERVE, OP_COMMIT, OP_FORK, OP_RELEASE, OP_EXPORT, OP_COPY_CHECK } op_kind;
+
+static pkv_pm_status run_op(pkv_page_manager *manager, op_kind kind, int64_t seq_id, int64_t n, const int32_t *tokens) {
+  int32_t src[256], dst[256], table[16 * 8], lengths[8];
+  int64_t out = 0;
+  const int64_t ids[] = {seq_id};
+  switch (kind) {
+  case OP_ADD: return pkv_page_manager_add_sequence(manager, seq_id, tokens, n, &out, MSG);
+  case OP_RESERVE: return pkv_page_manager_reserve(manager, seq_id, n, src, dst, 256, &out, MSG);
+  case OP_COMMIT: return pkv_page_manager_commit(manager, seq_id, n, tokens, MSG);
+  case OP_FORK: return pkv_page_manager_fork(manager, seq_id, n, MSG);
+  case OP_RELEASE: return pkv_page_manager_release(manager, seq_id, MSG);
+  case OP_EXPORT: return pkv_page_manager_export(manager, ids, 1, table, 16, lengths, MSG);
+  case OP_COPY_CHECK: return pkv_copy_pages_check(8, tokens, tokens + 4, 4, MSG);
+  }
+  return PKV_PM_BAD_ARGUMENT;
+}
+
+/* Runs an operation with its 1st, 2nd, ... allocation failing until it succeeds; each failure
+ * must be OUT_OF_MEMORY and leave everything observable unchanged. Returns the failures seen. */
+static int64_t run_op_with_failures(pkv_page_manager *manager, const int64_t *ids, int64_t count, op_kind kind,
+                                    int64_t seq_id, int64_t n, const int32_t *tokens) {
+  snapshot *before = malloc(sizeof *before);
+  CHECK(before != NULL, "malloc");
+  int64_t failures = 0;
+  for (long fail_at = 1;; ++fail_at) {
+    snapshot_take(manager, ids, count, before);
+    pkv_pm_fail_allocation_after = fail_at;
+    const pkv_pm_status status = run_op(manager, kind, seq_id, n, tokens);
+    const bool injected = pkv_pm_fail_allocation_after == 0;
+    pkv_pm_fail_allocation_after = 0;
+    if (status == PKV_PM_OK) {
+      CHECK(!injected, "op %d succeeded although allocation %ld failed", (int)kind, fail_at);
+      break;
+    }
+    CHECK(status == PKV_PM_OUT_OF_MEMORY && injected, "op %d: %s after failing allocation %ld", (int)kind,
+          pkv_pm_status_name(status), fail_at);
+    snapshot_expect_unchanged(manager, before);
+    failures += 1;
+  }
+  free(before);
+  check_invariants(manager);
+  return failures;
+}
+
+static void test_allocation_failures_change_nothing(void) {
+  pkv_page_manager *manager = NULL;
+  pkv_pm_fail_allocation_after = 2;
+  EXPECT_STATUS(PKV_PM_OUT_OF_MEMORY, pkv_page_manager_create(8, 2, &manager, MSG));
+  CHECK(manager == NULL, "failed create returns NULL");
+  pkv_pm_fail_allocation_after = 0;
+
+  manager = create(32, 2);
+  int32_t prompt[16];
+  fill_tokens(prompt, 16, 40);
+  int64_t failures = 0;
+  /* Sequence 1 computes a prompt with token ids (prefix table, pending buffer, map growth). */
+  int64_t ids[MAX_SNAPSHOT_SEQUENCES] = {1};
+  int64_t count = 1;
+  failures += run_op_with_failures(manager, ids, 0, OP_ADD, 1, 9, prompt);
+  failures += run_op_with_failures(manager, ids, count, OP_RESERVE, 1, 9, NULL);
+  failures += run_op_with_failures(manager, ids, count, OP_COMMIT, 1, 9, prompt);
+  /* Sequences 2.. share its prefix, fork, grow, commit (with duplicates switching pages). */
+  for (int64_t seq = 2; seq < 24; ++seq) {
+    failures += run_op_with_failures(manager, ids, count, OP_ADD, seq, 9, prompt);
+    ids[count++] = seq;
+    /* Completes page 4 (registered by sequence 2, switched to by later ones), page 5 partial. */
+    failures += run_op_with_failures(manager, ids, count, OP_RESERVE, seq, 3, NULL);
+    failures += run_op_with_failures(manager, ids, count, OP_COMMIT, seq, 3, prompt + 8);
+    if (seq % 3 == 0) {
+      failures += run_op_with_failures(manager, ids, count, OP_FORK, seq, 100 + seq, NULL);
+      ids[count++] = 100 + seq;
+      failures += run_op_with_failures(manager, ids, count, OP_RESERVE, 100 + seq, 1, NULL); /* copies page 5 */
+    }
+    if (seq % 4 == 0) {
+      failures += run_op_with_failures(manager, ids, count, OP_RELEASE, ids[0], 0, NULL);
+      ids[0] = ids[--count];
+    }
+    failures += run_op_with_failures(manager, ids, count, OP_EXPORT, seq, 0, NULL);
+    if (stats_of(manager).free_pages < 4) break;
+  }
+  const int32_t copies[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  failures += run_op_with_failures(manager, ids, count, OP_COPY_CHECK, 0, 0, copies);
+  EXPECT_STATUS(PKV_PM_OK, pkv_page_manager_check_invariants(manager, MSG));
+  pkv_pm_fail_allocation_after = 1;
+  EXPECT_STATUS(PKV_PM_OUT_OF_MEMORY, pkv_page_manager_check_invariants(manager, MSG));
+  pkv_pm_fail_allocation_after = 0;
+  const pkv_page_manager_stats stats = stats_of(manager);
+  CHECK(stats.prefix_pages == 5 && stats.shared_pages >= 5, "prefix pages %lld, shared %lld",
+        (long long)stats.prefix_pages, (long long)stats.shared_pages);
+  printf("  %lld injected allocation failures, none changed the manager\n", (long long)failures);
+  CHECK(failures > 20, "allocation points exercised: %lld", (long long)failures);
+  pkv_page_manager_destroy(manager);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Concurrent misuse: calls either complete or return BUSY; state never corrupts              */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -832,6 +933,7 @@ int main(void) {
       {"prefix_sharing", test_prefix_sharing},
       {"export", test_export},
       {"copy_pages_check", test_copy_pages_check},
+      {"allocation_failures_change_nothing", test_allocation_failures_change_nothing},
       {"concurrent_misuse_detected", test_concurrent_misuse_detected},
       {"random_operations", test_random_operations},
   };
