@@ -335,6 +335,7 @@ def make_setup(
     noncontig=False,
     padding=0,
     unused="random",
+    extra_columns=1,
     device="cpu",
 ):
     """A layout sized for `rows` and its batch. For "continuous" P becomes the slot length."""
@@ -342,7 +343,7 @@ def make_setup(
         page_size = max([c + n for c, n in rows], default=0) + 3
     batch, num_pages = make_batch(
         gen, rows, page_size=page_size, padding=padding, unused=unused, layout=layout,
-        device=device,
+        extra_columns=extra_columns, device=device,
     )
     kv = make_paged_kv(
         layout,

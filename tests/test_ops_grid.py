@@ -414,22 +414,176 @@ def test_flash_attn_paged_long_sequence(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_flash_attn_paged_ignores_nan_in_masked_pages(device):
-    """NaN in keys outside the visible window of every query must not leak into the output."""
-    case = {**ATTN_BASE, "head_dim": 64, "page_size": 4, "window_left": 3}
-    gen = generator(seed_from("nan-window"))
-    rows = [(40, 2)]
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_ignores_nan_outside_window(device, cache_dtype):
+    """Sliding window: keys that no query of the row can see (evicted pages) hold NaN, scales
+    too; they must not leak into the output. Not spelled out in CONTRACT.md, but a model with a
+    sliding window may recycle those pages."""
+    gen = generator(seed_from("nan-window", str(cache_dtype)))
+    rows, window = [(40, 2), (9, 1)], 3
     kv, batch = make_setup(gen, rows, layout="separate", page_size=4, num_kv_heads=2,
-                           head_dim=64, dtype=torch.float32, device=device)
-    kv.poison_("nan")
+                           head_dim=64, dtype=cache_dtype, quant_group=32, device=device)
     fill_history(gen, kv, batch)
-    q = randn(gen, (2, 8, 64), torch.float32, device)
-    out = pagedkv.flash_attn_paged(q, batch.input_row_offsets, kv.k_cache, kv.v_cache,
-                                   batch.cache_lengths, batch.lookup_table, window_left=3)
+    # Row 0 queries sit at 40 and 41 and see keys >= 37: poison positions 0..35 (pages 0..8).
+    evicted = batch.lookup_table[0, :9].long()
+    for t in (kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales):
+        if t is not None:
+            t[evicted] = float("nan")
+    q = randn(gen, (batch.num_tokens, 8, 64), torch.float32, device)
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths,
+            batch.lookup_table)
+    kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=32,
+                  window_left=window)
+    out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
+    assert torch.isfinite(expected).all()
+    assert_attention_close(out, expected, torch.float32, "NaN outside the window")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_flash_attn_paged_large_logits(device, q_dtype, softcap):
+    """Scores in the hundreds: the softmax must subtract the running maximum."""
+    gen = generator(seed_from("large-logits", str(q_dtype), softcap))
+    kv, batch = make_setup(gen, [(50, 3), (0, 7), (130, 1)], layout="collection", page_size=16,
+                           num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
+    fill_history(gen, kv, batch)
+    q = randn(gen, (batch.num_tokens, 4, 64), q_dtype, device, scale=300.0)
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths,
+            batch.lookup_table)
+    out = pagedkv.flash_attn_paged(q, *args, softcap=softcap)
+    expected = ref.flash_attn_paged(q.double(), *args, softcap=softcap)
+    assert_attention_close(out, expected, q_dtype, "large logits")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_rows_random_lengths(device):
+    """48 rows of random history and 0-3 new tokens, FP8 e5m2 with groups, window, fp16 q."""
+    gen = generator(seed_from("many-rows"))
+    rows = [(int(torch.randint(0, 300, (1,), generator=gen)),
+             int(torch.randint(0, 4, (1,), generator=gen))) for _ in range(48)]
+    kv, batch = make_setup(gen, rows, layout="fa3", page_size=8, num_kv_heads=4, head_dim=96,
+                           dtype=torch.float8_e5m2, quant_group=32, padding=5, device=device)
+    fill_history(gen, kv, batch)
+    q = randn(gen, (batch.num_tokens, 16, 96), torch.float16, device)
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths,
+            batch.lookup_table)
+    kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=32, window_left=37)
+    out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
+    assert_attention_close(out, expected, torch.float16, "many rows")
+    key = randn(gen, (batch.num_tokens, 4, 96), torch.bfloat16, device)
+    expected_kv = kv.clone()
+    ref.paged_store(key, key, *expected_kv.views[:2], batch.input_row_offsets,
+                    batch.cache_lengths, batch.lookup_table, *expected_kv.views[2:], 32)
+    pagedkv.paged_store(key, key, kv.k_cache, kv.v_cache, batch.input_row_offsets,
+                        batch.cache_lengths, batch.lookup_table, kv.k_scales, kv.v_scales, 32)
+    kv.assert_equal(expected_kv, "many rows store")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_filling_the_table_exactly(device):
+    """cache_length + new == max_pages * P: the last slot of the last page, no spare column."""
+    gen = generator(seed_from("exact-capacity"))
+    rows = [(13, 3), (15, 1), (0, 16)]
+    kv, batch = make_setup(gen, rows, layout="collection", page_size=4, num_kv_heads=2,
+                           head_dim=64, dtype=torch.float8_e4m3fn, quant_group=32,
+                           extra_columns=0, device=device)
+    assert batch.lookup_table.shape[1] * 4 == 16
+    fill_history(gen, kv, batch)
+    key = randn(gen, (batch.num_tokens, 2, 64), torch.float32, device)
+    expected_kv = kv.clone()
+    ref.paged_store(key, key, *expected_kv.views[:2], batch.input_row_offsets,
+                    batch.cache_lengths, batch.lookup_table, *expected_kv.views[2:], 32)
+    pagedkv.paged_store(key, key, kv.k_cache, kv.v_cache, batch.input_row_offsets,
+                        batch.cache_lengths, batch.lookup_table, kv.k_scales, kv.v_scales, 32)
+    kv.assert_equal(expected_kv, "exact capacity store")
+    q = randn(gen, (batch.num_tokens, 4, 64), torch.float32, device)
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths,
+            batch.lookup_table)
+    kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=32)
+    assert_attention_close(pagedkv.flash_attn_paged(q, *args, **kwargs),
+                           ref.flash_attn_paged(q.double(), *args, **kwargs), torch.float32,
+                           "exact capacity attention")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_index_tensors(device):
+    """A column slice of a preallocated table and lengths/offsets taken from wider metadata."""
+    gen = generator(seed_from("strided-index"))
+    kv, batch = make_setup(gen, [(5, 3), (0, 4), (9, 1)], layout="separate", page_size=4,
+                           num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=device)
+    fill_history(gen, kv, batch)
+    cols = batch.lookup_table.shape[1]
+    wide = torch.full((3, 2 * cols), 2**31 - 1, dtype=torch.int32, device=device)
+    wide[:, :cols] = batch.lookup_table
+    table = wide[:, :cols]
+    meta = torch.zeros((4, 3), dtype=torch.int32, device=device)
+    meta[:, 0] = batch.input_row_offsets
+    meta[:3, 1] = batch.cache_lengths
+    offsets, lengths = meta[:, 0], meta[:3, 1]
+    assert not (table.is_contiguous() or offsets.is_contiguous() or lengths.is_contiguous())
+    q = randn(gen, (batch.num_tokens, 4, 64), torch.float32, device)
+    out = pagedkv.flash_attn_paged(q, offsets, kv.k_cache, kv.v_cache, lengths, table)
     expected = ref.flash_attn_paged(q.double(), batch.input_row_offsets, kv.k_cache, kv.v_cache,
-                                    batch.cache_lengths, batch.lookup_table, window_left=3)
-    assert_attention_close(out, expected, torch.float32, "finite reference")
-    del case
+                                    batch.cache_lengths, batch.lookup_table)
+    assert_attention_close(out, expected, torch.float32, "strided index tensors")
+    key = randn(gen, (batch.num_tokens, 2, 64), torch.float32, device)
+    expected_kv = kv.clone()
+    ref.paged_store(key, key, *expected_kv.views[:2], batch.input_row_offsets,
+                    batch.cache_lengths, batch.lookup_table)
+    pagedkv.paged_store(key, key, kv.k_cache, kv.v_cache, offsets, lengths, table)
+    kv.assert_equal(expected_kv, "store with strided index tensors")
+    seq = torch.zeros((3, 2), dtype=torch.int32, device=device)
+    seq[:, 0] = batch.seq_lens
+    loaded = pagedkv.paged_load(kv.k_cache, table, seq[:, 0])
+    reference_rows, _ = ref.contiguous_kv(kv.k_cache, None, batch.lookup_table, batch.seq_lens)
+    assert_bytes_equal(loaded, reference_rows, "load with strided index tensors")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pool_over_2_31_elements(device):
+    """Offsets are 64-bit: pages past element 2^31 of an FP8 pool (memory left untouched
+    except the pages used, so this costs little resident memory)."""
+    P, H, D = 16, 1, 128
+    N = 2**31 // (P * H * D) + 3
+    k_cache = torch.empty((N, P, H, D), dtype=torch.float8_e4m3fn, device=device)
+    v_cache = torch.empty((N, P, H, D), dtype=torch.float8_e4m3fn, device=device)
+    k_scales = torch.empty((N, P, H, 1), device=device)
+    v_scales = torch.empty((N, P, H, 1), device=device)
+    assert k_cache.numel() > 2**31
+    pages = [N - 1, N - 2, N - 3, 0]
+    table = torch.tensor([pages[:2], pages[2:]], dtype=torch.int32, device=device)
+    offsets = torch.tensor([0, 20, 25], dtype=torch.int32, device=device)
+    lengths = torch.zeros(2, dtype=torch.int32, device=device)
+    gen = generator(seed_from("big-pool"))
+    key = randn(gen, (25, H, D), torch.float32, device)
+    value = randn(gen, (25, H, D), torch.float32, device)
+    pagedkv.paged_store(key, value, k_cache, v_cache, offsets, lengths, table, k_scales, v_scales)
+    # The same step on a 4-page pool through the reference.
+    small = [torch.zeros((4, P, H, D), dtype=torch.float8_e4m3fn, device=device) for _ in "kv"]
+    small_scales = [torch.zeros((4, P, H, 1), device=device) for _ in "kv"]
+    small_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    ref.paged_store(key, value, *small, offsets, lengths, small_table, *small_scales)
+    index = torch.tensor(pages, device=device)
+    for big, little in [(k_cache, small[0]), (v_cache, small[1]), (k_scales, small_scales[0]),
+                        (v_scales, small_scales[1])]:
+        got = big[index]
+        for page, count in [(0, 16), (1, 4), (2, 5)]:
+            assert_bytes_equal(got[page, :count], little[page, :count], f"page {pages[page]}")
+    q = randn(gen, (25, 2, D), torch.float32, device)
+    out = pagedkv.flash_attn_paged(q, offsets, k_cache, v_cache, lengths, table,
+                                   k_scales=k_scales, v_scales=v_scales)
+    expected = ref.flash_attn_paged(q.double(), offsets, *small, lengths, small_table,
+                                    k_scales=small_scales[0], v_scales=small_scales[1])
+    assert_attention_close(out, expected, torch.float32, "pool over 2^31 elements")
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
+    assert_bytes_equal(
+        pagedkv.paged_load(k_cache, table, seq_lens, scales=k_scales),
+        pagedkv.paged_load(small[0], small_table, seq_lens, scales=small_scales[0]),
+        "load past 2^31",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,13 @@ flash_attn_paged}; the functions below are typed wrappers of the same ops.
 """
 
 from . import reference
+from .cache import (
+    ContinuousBatchingKVCache,
+    KVCacheBatch,
+    PagedKVCache,
+    PagedKVCacheCollection,
+    PagedKVCacheFA3Fallback,
+)
 from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks
 
 __version__ = "0.1.0"
@@ -16,4 +23,9 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "reference",
+    "PagedKVCacheCollection",
+    "PagedKVCacheFA3Fallback",
+    "PagedKVCache",
+    "ContinuousBatchingKVCache",
+    "KVCacheBatch",
 ]
