@@ -93,7 +93,7 @@ class Request:
     finished_step: Optional[int] = None
     finish_reason: Optional[str] = None
     preemptions: int = 0
-    prefix_cached_tokens: int = 0  # tokens found in the cache at the last admission
+    prefix_cached_tokens: int = 0  # prompt tokens found in live requests' pages, over all admissions
 
     @property
     def tokens(self) -> List[int]:
@@ -251,9 +251,12 @@ class ContinuousBatchingServer:
         while self.waiting and not preempted and len(self.running) < self.max_running:
             request = self.waiting[0]
             tokens = request.tokens
-            # Hand over all but the last token: at least one token must be computed for logits.
-            cached = page_manager.add_sequence(request.request_id, tokens[:-1])
+            # Full pages of this prefix that live requests already computed are shared, not recomputed
+            # (the count leaves at least one token to compute, for the logits).
+            cached = page_manager.add_sequence(request.request_id, tokens)
             new_tokens = len(tokens) - cached
+            if not 0 <= cached < len(tokens):
+                raise RuntimeError(f"add_sequence reported {cached} cached tokens of {len(tokens)}")
             fits_budget = new_tokens <= prefill_budget or not (decode_rows or prefill_rows)
             if not fits_budget or not page_manager.can_reserve(request.request_id, new_tokens):
                 page_manager.release(request.request_id)
@@ -262,7 +265,7 @@ class ContinuousBatchingServer:
             self.waiting.popleft()
             self.running.append(request)
             request.admitted_step = self.step_index
-            request.prefix_cached_tokens = cached
+            request.prefix_cached_tokens += cached
             prefill_rows.append((request, cached))
             prefill_budget -= new_tokens
 
@@ -427,7 +430,7 @@ def plot_pages(
 
     steps = [r.step for r in records]
     figure, (pages_axis, requests_axis) = plt.subplots(
-        2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+        2, 1, figsize=(11, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
     )
     pages_axis.step(steps, [r.pages_used for r in records], where="post", label="pagedkv pages in use")
     pages_axis.step(
@@ -452,14 +455,14 @@ def plot_pages(
         )
     pages_axis.set_ylabel("KV pages")
     pages_axis.set_title(title)
-    pages_axis.legend(loc="upper right", fontsize=8)
+    pages_axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     pages_axis.grid(alpha=0.3)
 
     requests_axis.step(steps, [len(r.holding) for r in records], where="post", label="running")
     requests_axis.step(steps, [r.waiting for r in records], where="post", label="waiting")
     requests_axis.set_xlabel("server step")
     requests_axis.set_ylabel("requests")
-    requests_axis.legend(loc="upper right", fontsize=8)
+    requests_axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     requests_axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -510,6 +513,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _page_manager_class():
+    import pagedkv
+
+    if hasattr(pagedkv, "PageManager"):
+        return pagedkv.PageManager
+    from pagedkv.page_manager import PageManager
+
+    return PageManager
+
+
 @dataclasses.dataclass
 class DemoResult:
     requests: List[Request]
@@ -525,8 +538,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_demo(args: argparse.Namespace) -> DemoResult:
     """Everything ``python -m pagedkv.demo`` does, returning what happened."""
-    import pagedkv
-
     wall_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -577,7 +588,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     kv_cache = make_kv_cache(config, num_pages, page_size, args.kv_dtype, device)
     model.kv_cache = kv_cache
     caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
-    page_manager = pagedkv.PageManager(num_pages, page_size, caches=caches)
+    page_manager = _page_manager_class()(num_pages, page_size, caches=caches)
     page_bytes = _page_bytes(kv_cache)
     print(
         f"kv cache: {num_pages} pages x {page_size} tokens, {args.kv_dtype}, "
@@ -612,6 +623,10 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
             raise RuntimeError("the server loop made no progress")
     run_seconds = time.perf_counter() - run_start
     progress.close()
+    if hasattr(page_manager, "check_invariants"):
+        page_manager.check_invariants()
+    if page_manager.used_pages != 0:
+        raise RuntimeError(f"{page_manager.used_pages} pages still in use after every request finished")
 
     # -- report ---------------------------------------------------------------------------------
     print()
@@ -663,7 +678,11 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     )
     print(
         f"peak pages in use: {peak.pages_used} of {num_pages} ({_format_bytes(peak.pages_used * page_bytes)}) "
-        f"at step {peak.step}; peak shared pages {max(r.shared_pages for r in records)}"
+        f"at step {peak.step}"
+    )
+    print(
+        f"prefix sharing: {sum(r.prefix_cached_tokens for r in requests)} prompt tokens were read from pages of "
+        f"live requests instead of recomputed; at most {max(r.shared_pages for r in records)} page(s) shared at once"
     )
     print(
         f"contiguous max-length buffers ({max_sequence_tokens} tokens = {contiguous_pages_each} pages per request) "
@@ -708,7 +727,7 @@ def _report_check(args, loaded, finished: Sequence[Request]) -> Tuple[int, Optio
         f"check vs transformers {__import__('transformers').__version__} LlamaForCausalLM (float32, CPU), "
         f"{len(results)} requests, {steps} generated steps, {time.perf_counter() - check_start:.1f} s:"
     )
-    for result in results:
+    for result in sorted(results, key=lambda r: r.request_id):
         print(
             f"  request {result.request_id}: {result.identical_tokens}/{result.steps} greedy tokens identical, "
             f"max relative logits error {result.max_relative_error:.2e}"
