@@ -9,7 +9,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from pagedkv import demo, gguf_model
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -24,15 +23,22 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-def run(argv):
-    return demo.run_demo(demo.parse_args(argv + ["--no-progress"]))
+def run(argv, loaded=None):
+    return demo.run_demo(demo.parse_args(argv + ["--no-progress"]), loaded=loaded)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 read once for the tests of this module (reading the GGUF takes seconds)."""
+    return gguf_model.load_model(GGUF_PATH)
 
 
 @needs_smollm2
-def test_smollm2_demo_matches_transformers(tmp_path):
+def test_smollm2_demo_matches_transformers(tmp_path, smollm2):
     plot = tmp_path / "pages.png"
     result = run(
-        ["--check", "--num-requests", "6", "--max-new-tokens", "12", "--num-pages", "7", "--plot", str(plot)]
+        ["--check", "--num-requests", "6", "--max-new-tokens", "12", "--num-pages", "7", "--plot", str(plot)],
+        loaded=smollm2,
     )
     assert result.exit_code == 0
     assert result.preemptions >= 1, "7 pages of 16 tokens are too few for these requests: some must be preempted"
@@ -70,8 +76,20 @@ def test_random_model_demo_matches_transformers(tmp_path, page_size):
 
 @needs_transformers
 def test_random_model_fp8_reports_agreement(capsys):
-    result = run(["--random-model", "--check", "--kv-dtype", "fp8_e4m3", "--num-requests", "3",
-                  "--max-new-tokens", "4", "--plot", ""])
+    result = run(
+        [
+            "--random-model",
+            "--check",
+            "--kv-dtype",
+            "fp8_e4m3",
+            "--num-requests",
+            "3",
+            "--max-new-tokens",
+            "4",
+            "--plot",
+            "",
+        ]
+    )
     assert result.exit_code == 0  # not asserted with FP8: reported
     assert "greedy agreement" in capsys.readouterr().out
 
@@ -95,12 +113,12 @@ def test_unpermute_inverts_the_gguf_rotary_permutation():
 
 @needs_smollm2
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' own GGUF loader needs accelerate")
-def test_weights_match_transformers_gguf_loader():
+def test_weights_match_transformers_gguf_loader(smollm2):
     import os
 
     import transformers
 
-    ours = gguf_model.load_model()
+    ours = smollm2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH), dtype=torch.float32
     ).state_dict()
@@ -110,12 +128,12 @@ def test_weights_match_transformers_gguf_loader():
 
 
 @needs_smollm2
-def test_tokenizer_matches_transformers_gguf_tokenizer():
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
     import os
 
     import transformers
 
-    ours = gguf_model.load_model().tokenizer
+    ours = smollm2.tokenizer
     theirs = transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH)
     )

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import time
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -43,15 +43,17 @@ from pagedkv import gguf_model
 from pagedkv.model import KV_DTYPES, MODEL_DTYPES, LlamaPagedModel, make_kv_cache
 
 # (arrival step, user message): lengths from a few words to a paragraph.
-DEFAULT_PROMPTS: List[Tuple[int, str]] = [
+DEFAULT_PROMPTS: list[tuple[int, str]] = [
     (0, "Hi! What is the capital of France?"),
     (0, "Write a haiku about autumn leaves."),
     (1, "List three uses of a paperclip."),
     (
         2,
-        "Explain what a KV cache is in large language model inference, and why splitting it into "
-        "fixed-size pages helps a server that handles many requests of very different lengths at "
-        "the same time.",
+        (
+            "Explain what a KV cache is in large language model inference, and why splitting it into "
+            "fixed-size pages helps a server that handles many requests of very different lengths at "
+            "the same time."
+        ),
     ),
     (3, "What is 17 times 23? Show your steps."),
     (5, "Give me a short recipe for pancakes."),
@@ -59,9 +61,11 @@ DEFAULT_PROMPTS: List[Tuple[int, str]] = [
     (8, "Summarize the plot of Romeo and Juliet in two sentences."),
     (
         10,
-        "I have a meeting at 3pm and a dentist appointment at 4:30pm. The dentist is 40 minutes "
-        "away from my office by bus, and the meeting usually runs for about 45 minutes. Can I make "
-        "it to the dentist on time? Explain briefly.",
+        (
+            "I have a meeting at 3pm and a dentist appointment at 4:30pm. The dentist is 40 minutes "
+            "away from my office by bus, and the meeting usually runs for about 45 minutes. Can I make "
+            "it to the dentist on time? Explain briefly."
+        ),
     ),
     (12, "Name the planets of the solar system in order from the sun."),
     (15, "Write a Python function that returns the n-th Fibonacci number."),
@@ -84,19 +88,19 @@ class Request:
     request_id: int
     arrival_step: int
     message: str
-    prompt: List[int]
+    prompt: list[int]
     max_new_tokens: int
-    generated: List[int] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
     # float32 [vocab] logits that produced each generated token (kept only for --check)
-    step_logits: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    admitted_step: Optional[int] = None
-    finished_step: Optional[int] = None
-    finish_reason: Optional[str] = None
+    step_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    admitted_step: int | None = None
+    finished_step: int | None = None
+    finish_reason: str | None = None
     preemptions: int = 0
     prefix_cached_tokens: int = 0  # prompt tokens found in live requests' pages, over all admissions
 
     @property
-    def tokens(self) -> List[int]:
+    def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
     @property
@@ -115,10 +119,10 @@ class StepRecord:
     waiting: int
     pages_used: int  # during the forward pass (after reserving, before releasing)
     shared_pages: int
-    holding: List[int]  # requests holding pages during the forward pass
-    preempted: List[int]
-    admitted: List[int]
-    finished: List[int]
+    holding: list[int]  # requests holding pages during the forward pass
+    preempted: list[int]
+    admitted: list[int]
+    finished: list[int]
 
 
 class ProgressBar:
@@ -177,16 +181,16 @@ class ContinuousBatchingServer:
     ):
         self.model = model
         self.page_manager = page_manager
-        self.stop_token_ids = set(int(t) for t in stop_token_ids)
+        self.stop_token_ids = {int(t) for t in stop_token_ids}
         self.device = device
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running
         self.record_logits = record_logits
-        self.pending: List[Request] = []  # not arrived yet, by arrival step
-        self.waiting: Deque[Request] = collections.deque()
-        self.running: List[Request] = []  # in admission order
-        self.finished: List[Request] = []
-        self.records: List[StepRecord] = []
+        self.pending: list[Request] = []  # not arrived yet, by arrival step
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order
+        self.finished: list[Request] = []
+        self.records: list[StepRecord] = []
         self.step_index = 0
         self.preemptions = 0
 
@@ -230,8 +234,8 @@ class ContinuousBatchingServer:
             self.waiting.append(self.pending.pop(0))
 
         # 1. Room for one more token per running request, preempting the youngest when needed.
-        preempted: List[int] = []
-        decode_rows: List[Request] = []
+        preempted: list[int] = []
+        decode_rows: list[Request] = []
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted below, on behalf of an older request
@@ -246,7 +250,7 @@ class ContinuousBatchingServer:
                 decode_rows.append(request)
 
         # 2. Admit waiting requests in order while their prefill fits (not in a preempting step).
-        prefill_rows: List[Tuple[Request, int]] = []  # (request, tokens already cached)
+        prefill_rows: list[tuple[Request, int]] = []  # (request, tokens already cached)
         prefill_budget = self.max_prefill_tokens
         while self.waiting and not preempted and len(self.running) < self.max_running:
             request = self.waiting[0]
@@ -270,8 +274,8 @@ class ContinuousBatchingServer:
             prefill_budget -= new_tokens
 
         # 3. One ragged forward over decode rows then prefill rows.
-        row_requests: List[Request] = []
-        row_tokens: List[List[int]] = []
+        row_requests: list[Request] = []
+        row_tokens: list[list[int]] = []
         for request in decode_rows:
             row_requests.append(request)
             row_tokens.append(request.generated[-1:])
@@ -283,7 +287,7 @@ class ContinuousBatchingServer:
         pages_used = page_manager.used_pages
         shared_pages = getattr(page_manager, "shared_pages", 0)
         seconds = 0.0
-        finished: List[int] = []
+        finished: list[int] = []
         if row_requests:
             seconds, finished = self._forward(row_requests, row_tokens)
 
@@ -305,14 +309,14 @@ class ContinuousBatchingServer:
         self.step_index += 1
         return record
 
-    def _forward(self, row_requests: List[Request], row_tokens: List[List[int]]) -> Tuple[float, List[int]]:
+    def _forward(self, row_requests: list[Request], row_tokens: list[list[int]]) -> tuple[float, list[int]]:
         page_manager = self.page_manager
         seq_ids = [r.request_id for r in row_requests]
         lookup_table, cache_lengths = page_manager.export(seq_ids, device=self.device)
         lengths_before = [page_manager.length(i) for i in seq_ids]
         offsets = [0]
-        flat_tokens: List[int] = []
-        positions: List[int] = []
+        flat_tokens: list[int] = []
+        positions: list[int] = []
         for tokens, start in zip(row_tokens, lengths_before):
             flat_tokens.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
@@ -330,7 +334,7 @@ class ContinuousBatchingServer:
         seconds = time.perf_counter() - start_time
 
         logits_cpu = logits.cpu() if self.record_logits else None
-        finished: List[int] = []
+        finished: list[int] = []
         for row, (request, tokens) in enumerate(zip(row_requests, row_tokens)):
             page_manager.commit(request.request_id, len(tokens), tokens=tokens)
             request.generated.append(int(next_tokens[row]))
@@ -385,7 +389,7 @@ def build_transformers_model(loaded: gguf_model.LoadedModel):
     return hf_model.eval()
 
 
-def check_against_transformers(loaded: gguf_model.LoadedModel, requests: Sequence[Request]) -> List[CheckResult]:
+def check_against_transformers(loaded: gguf_model.LoadedModel, requests: Sequence[Request]) -> list[CheckResult]:
     """Teacher-forced HF rerun of each request: one forward over prompt + generated[:-1]."""
     hf_model = build_transformers_model(loaded)
     results = []
@@ -473,7 +477,7 @@ def plot_pages(
 # Command line
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--kv-dtype", default="fp32", choices=sorted(KV_DTYPES), help="KV cache dtype")
@@ -525,26 +529,31 @@ def _page_manager_class():
 
 @dataclasses.dataclass
 class DemoResult:
-    requests: List[Request]
-    records: List[StepRecord]
+    requests: list[Request]
+    records: list[StepRecord]
     preemptions: int
-    check_results: Optional[List[CheckResult]]
+    check_results: list[CheckResult] | None
     exit_code: int
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     return run_demo(parse_args(argv)).exit_code
 
 
-def run_demo(args: argparse.Namespace) -> DemoResult:
-    """Everything ``python -m pagedkv.demo`` does, returning what happened."""
+def run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None = None) -> DemoResult:
+    """Everything ``python -m pagedkv.demo`` does, returning what happened.
+
+    ``loaded`` reuses an already loaded model (tests) instead of reading ``--gguf`` again.
+    """
     wall_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
 
     load_start = time.perf_counter()
-    if args.random_model:
+    if loaded is not None:
+        pass
+    elif args.random_model:
         print("pagedkv: --random-model: using a seeded RANDOM tiny Llama with a byte tokenizer", file=sys.stderr)
         loaded = gguf_model.random_tiny_llama(args.seed)
     else:
@@ -661,7 +670,9 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     print()
     print(f"steps: {len(records)}, preemptions: {server.preemptions}", end="")
     if server.preemptions:
-        print(f" (pool of {num_pages} pages ran out; preempted requests were recomputed from prompt + generated tokens)")
+        print(
+            f" (pool of {num_pages} pages ran out; preempted requests were recomputed from prompt + generated tokens)"
+        )
     else:
         print(" (the pool never ran out: lower --num-pages to see preemption)")
     print(
@@ -711,7 +722,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     return DemoResult(requests, records, server.preemptions, check_results, exit_code)
 
 
-def _report_check(args, loaded, finished: Sequence[Request]) -> Tuple[int, Optional[List[CheckResult]]]:
+def _report_check(args, loaded, finished: Sequence[Request]) -> tuple[int, list[CheckResult] | None]:
     try:
         import transformers  # noqa: F401
     except ImportError:

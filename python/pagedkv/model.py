@@ -16,14 +16,12 @@ Parameter names follow ``transformers.LlamaForCausalLM`` so a HF-named state dic
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # Command-line names of the KV cache dtypes the demo accepts.
-KV_DTYPES: Dict[str, torch.dtype] = {
+KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -32,7 +30,7 @@ KV_DTYPES: Dict[str, torch.dtype] = {
 }
 
 # Command-line names of the model (activation and weight) dtypes.
-MODEL_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODEL_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T] -> cos, sin [T, 1, D] (broadcast over heads)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -181,7 +179,7 @@ class LlamaPagedModel(nn.Module):
         cache_lengths: torch.Tensor,
         lookup_table: torch.Tensor,
         return_all_logits: bool = False,
-    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One step over a ragged batch.
 
         tokens [T] int64, positions [T] (position id of each token), input_row_offsets int32 [B+1],
@@ -204,7 +202,7 @@ class LlamaPagedModel(nn.Module):
         return self.lm_head(body.norm(x[last_rows])).float()  # [B, vocab]
 
 
-def make_kv_cache(config, num_pages: int, page_size: int, kv_dtype: Union[str, torch.dtype] = "fp32", device="cpu"):
+def make_kv_cache(config, num_pages: int, page_size: int, kv_dtype: str | torch.dtype = "fp32", device="cpu"):
     """A ``pagedkv.PagedKVCacheCollection`` sized for ``config``; ``kv_dtype`` is a ``KV_DTYPES`` key."""
     import pagedkv
 
