@@ -12,6 +12,7 @@ from .cache import (
     PagedKVCacheCollection,
     PagedKVCacheFA3Fallback,
 )
+from .page_manager import OutOfPagesError, PageManager, copy_pages
 from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks
 
 __version__ = "0.1.0"
@@ -28,4 +29,7 @@ __all__ = [
     "PagedKVCache",
     "ContinuousBatchingKVCache",
     "KVCacheBatch",
+    "PageManager",
+    "OutOfPagesError",
+    "copy_pages",
 ]
