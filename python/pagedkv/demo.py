@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+import pagedkv
 from pagedkv import gguf_model
 from pagedkv.model import KV_DTYPES, MODEL_DTYPES, LlamaPagedModel, make_kv_cache
 
@@ -517,16 +518,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _page_manager_class():
-    import pagedkv
-
-    if hasattr(pagedkv, "PageManager"):
-        return pagedkv.PageManager
-    from pagedkv.page_manager import PageManager
-
-    return PageManager
-
-
 @dataclasses.dataclass
 class DemoResult:
     requests: list[Request]
@@ -597,7 +588,7 @@ def run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None = N
     kv_cache = make_kv_cache(config, num_pages, page_size, args.kv_dtype, device)
     model.kv_cache = kv_cache
     caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
-    page_manager = _page_manager_class()(num_pages, page_size, caches=caches)
+    page_manager = pagedkv.PageManager(num_pages, page_size, caches=caches)
     page_bytes = _page_bytes(kv_cache)
     print(
         f"kv cache: {num_pages} pages x {page_size} tokens, {args.kv_dtype}, "
