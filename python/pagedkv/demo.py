@@ -536,8 +536,16 @@ def run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None = N
 
     ``loaded`` reuses an already loaded model (tests) instead of reading ``--gguf`` again.
     """
-    wall_start = time.perf_counter()
+    previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run_demo(args, loaded)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None) -> DemoResult:
+    wall_start = time.perf_counter()
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
 
