@@ -38,6 +38,14 @@ static int64_t rows_per_item(int64_t heads) {
   return r < 1 ? 1 : r;
 }
 
+/* KV heads per item for a row with `rows` new tokens: rows short of a full
+ * block (decode) take several heads, up to the same query-vector budget. */
+static int64_t heads_per_item(int64_t rows, int64_t rows_max, int64_t heads, int64_t hk) {
+  if (rows <= 0 || rows >= rows_max) return 1;
+  int64_t nh = PKV_CPU_QUERIES_PER_ITEM / (rows * heads);
+  return nh < 1 ? 1 : (nh > hk ? hk : nh);
+}
+
 typedef struct {
   atomic_int *done;   /* [groups] finished splits */
   int64_t *count;     /* [groups] splits in the group */
@@ -89,7 +97,10 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   plan->items = NULL;
   plan->num_items = 0;
   plan->splits = NULL;
-  for (int64_t b = 0; b < batch; b++) count += (pkv_new_tokens(&offsets, b) + rows_max - 1) / rows_max * hk;
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t rows = pkv_new_tokens(&offsets, b), nh = heads_per_item(rows, rows_max, heads, hk);
+    count += (rows + rows_max - 1) / rows_max * ((hk + nh - 1) / nh);
+  }
 
   pkv_attn_item *items = NULL;
   if (count > 0) {
@@ -99,13 +110,15 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   int64_t n = 0, splits_wanted = 1;
   for (int64_t b = 0; b < batch; b++) {
     int64_t start = pkv_index_at(&offsets, b), rows = pkv_new_tokens(&offsets, b);
+    int64_t nh = heads_per_item(rows, rows_max, heads, hk);
     for (int64_t r = 0; r < rows; r += rows_max)
-      for (int64_t h = 0; h < hk; h++) {
+      for (int64_t h = 0; h < hk; h += nh) {
         pkv_attn_item *it = &items[n++];
         it->batch = b;
         it->first_row = start + r;
         it->num_rows = rows - r < rows_max ? rows - r : rows_max;
         it->kv_head = h;
+        it->num_kv_heads = hk - h < nh ? hk - h : nh;
         item_keys(a, &offsets, &lengths, it, &it->key_begin, &it->key_end);
         it->split_group = -1;
         it->split_slot = -1;
@@ -180,7 +193,8 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
     pkv_attn_item *ordered = (pkv_attn_item *)malloc((size_t)n * sizeof *ordered);
     if (cost && ordered) {
       for (int64_t i = 0; i < n; i++) {
-        cost[i].cost = items[i].num_rows * (items[i].key_end - items[i].key_begin + PKV_CPU_KEYS_PER_TILE);
+        cost[i].cost =
+            items[i].num_rows * items[i].num_kv_heads * (items[i].key_end - items[i].key_begin + PKV_CPU_KEYS_PER_TILE);
         cost[i].index = i;
       }
       qsort(cost, (size_t)n, sizeof *cost, by_cost_desc);
@@ -252,10 +266,12 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
 static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st) {
   pkv_rows_view out = pkv_rows_view_from(&a->out);
   int64_t hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk, dv = a->v_cache.sizes[3];
-  int64_t nq = it->num_rows * heads, count = st->count[it->split_group];
+  int64_t per_head = it->num_rows * heads, nq = per_head * it->num_kv_heads, count = st->count[it->split_group];
   const float *base = st->partials + st->first[it->split_group] * st->slot_floats;
   for (int64_t qi = 0; qi < nq; qi++) {
-    int64_t r = qi / heads, head = it->kv_head * heads + qi % heads;
+    /* query vector order: (KV head of the item, row, query head of the group) */
+    int64_t hh = qi / per_head, r = qi % per_head / heads;
+    int64_t head = (it->kv_head + hh) * heads + qi % heads;
     int64_t dst = (it->first_row + r) * out.stride_row + head * out.stride_head;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t s = 0; s < count; s++) {
@@ -298,7 +314,7 @@ pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64
       continue;
     }
     k->attn_item(a, it, use_dot, 0, &w);
-    int64_t rows = it->num_rows * heads;
+    int64_t rows = it->num_rows * heads * it->num_kv_heads;
     float *slot = st->partials + it->split_slot * st->slot_floats;
     memcpy(slot, w.m, (size_t)rows * sizeof(float));
     memcpy(slot + rows, w.l, (size_t)rows * sizeof(float));

@@ -191,6 +191,36 @@ PKV_AI void v_transpose_words(const uint32_t *const *rows, int64_t n, uint32_t *
 
 PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
+/* bf16 bits of e4m3 magnitudes 0..127 (exact; 0x7f is NaN), for the in-register lookup below. */
+static const uint16_t pkv_e4m3_bf16_table[128] = {
+#define PKV_E4M3_SUB(m) (uint16_t)((m) == 0 ? 0 : ((m) == 1 ? 0x3b00 : ((m) < 4 ? 0x3b80 | (((m) & 1) << 6) : 0x3c00 | (((m) & 3) << 5))))
+#define PKV_E4M3_NORM(e, m) (uint16_t)((((e) + 120) << 7) | ((m) << 4))
+#define PKV_E4M3_ROW(e) PKV_E4M3_NORM(e, 0), PKV_E4M3_NORM(e, 1), PKV_E4M3_NORM(e, 2), PKV_E4M3_NORM(e, 3), \
+    PKV_E4M3_NORM(e, 4), PKV_E4M3_NORM(e, 5), PKV_E4M3_NORM(e, 6), PKV_E4M3_NORM(e, 7)
+    PKV_E4M3_SUB(0), PKV_E4M3_SUB(1), PKV_E4M3_SUB(2), PKV_E4M3_SUB(3),
+    PKV_E4M3_SUB(4), PKV_E4M3_SUB(5), PKV_E4M3_SUB(6), PKV_E4M3_SUB(7),
+    PKV_E4M3_ROW(1), PKV_E4M3_ROW(2), PKV_E4M3_ROW(3), PKV_E4M3_ROW(4), PKV_E4M3_ROW(5),
+    PKV_E4M3_ROW(6), PKV_E4M3_ROW(7), PKV_E4M3_ROW(8), PKV_E4M3_ROW(9), PKV_E4M3_ROW(10),
+    PKV_E4M3_ROW(11), PKV_E4M3_ROW(12), PKV_E4M3_ROW(13), PKV_E4M3_ROW(14),
+    PKV_E4M3_NORM(15, 0), PKV_E4M3_NORM(15, 1), PKV_E4M3_NORM(15, 2), PKV_E4M3_NORM(15, 3),
+    PKV_E4M3_NORM(15, 4), PKV_E4M3_NORM(15, 5), PKV_E4M3_NORM(15, 6), 0x7fc0,
+#undef PKV_E4M3_ROW
+#undef PKV_E4M3_NORM
+#undef PKV_E4M3_SUB
+};
+
+/* 32 e4m3 codes -> their exact bf16 bits: a 128-entry table lookup held in four
+ * registers (two vpermi2w and a blend on bit 6), then the sign bit. */
+PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
+  const __m512i *t = (const __m512i *)pkv_e4m3_bf16_table;
+  __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+  __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 1));
+  __m512i hi = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 2), c, _mm512_loadu_si512(t + 3));
+  __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
+  v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+  _mm512_storeu_si512((void *)dst, v);
+}
+
 #elif defined(PKV_SIMD_AVX2)
 /* ========================================================================== AVX2 */
 #include <immintrin.h>
