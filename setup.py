@@ -7,6 +7,7 @@ it will run with:  pip install --no-build-isolation -e .
 
 import glob
 import os
+import platform
 import shutil
 
 from setuptools import setup
@@ -48,13 +49,29 @@ SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if SANIT
 OPT = ["-O1", "-g"] if SANITIZE else ["-O3"]
 
 # The core is C: its own flags, not torch's C++ flags.
+C_FLAGS = ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS
+# CPU kernels per ISA (csrc/core/pkv_cpu_kernels.inc compiled once per file), each a
+# static library with its own flags, picked at run time by cpuid (pkv_cpu_dispatch.c).
+# Never -march=native: the wheel must run on any x86-64.
+CPU_ISA_FLAGS = {
+    "csrc/core/pkv_cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "csrc/core/pkv_cpu_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"],
+}
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/core/*.inc")
 core_lib = (
     "pkv_core",
     {
-        "sources": rel("csrc/core/*.c"),
-        "cflags": ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS,
+        "sources": [s for s in rel("csrc/core/*.c") if s not in CPU_ISA_FLAGS],
+        "cflags": C_FLAGS,
+        "depends": CORE_DEPENDS,
     },
 )
+# Listed after pkv_core: the static link resolves pkv_core's references to their tables.
+isa_libs = [
+    (os.path.splitext(os.path.basename(src))[0], {"sources": [src], "cflags": C_FLAGS + flags, "depends": CORE_DEPENDS})
+    for src, flags in CPU_ISA_FLAGS.items()
+] if IS_X86 else []
 
 cpp_sources = [s for s in rel("csrc/torch/*.cpp") if not s.endswith("_cuda.cpp")]
 cxx_flags = ["-std=c++17", "-Wall"] + OPT + SAN_FLAGS
@@ -95,7 +112,7 @@ class BuildWithCore(BuildExtension):
 
 
 setup(
-    libraries=[core_lib],
+    libraries=[core_lib] + isa_libs,
     ext_modules=[ext],
     cmdclass={"build_ext": BuildWithCore},
 )
