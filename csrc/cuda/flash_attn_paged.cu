@@ -767,7 +767,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   if (p.num_rows == 0) return cudaSuccess;
   if (plan->num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
 
-  alignas(64) CUtensorMap kmap{}, vmap{};
+  CUtensorMap kmap{}, vmap{};
   PKV_CUDA_TRY(encode_maps(plan->loader, p.k, p.v, &kmap, &vmap));
 
   const int64_t batch = p.lengths.rows;

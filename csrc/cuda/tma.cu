@@ -37,7 +37,7 @@ struct MapKey {
 
 struct MapEntry {
   MapKey key;
-  alignas(64) CUtensorMap map;
+  CUtensorMap map;
 };
 
 // A small ring: a model has a few (layer, K/V) pools per device; entries are
@@ -56,7 +56,7 @@ cudaError_t encode_cached(CUtensorMap *out, const MapKey &key) {
     }
   PFN_cuTensorMapEncodeTiled_v12000 enc = encode_fn();
   if (!enc) return cudaErrorNotSupported;
-  alignas(64) CUtensorMap map;
+  CUtensorMap map;
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUtensorMapDataType type = key.elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
   CUresult r = enc(&map, type, key.rank, key.base, key.dims, key.strides, key.box, elem_strides,
