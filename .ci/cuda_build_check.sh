@@ -106,17 +106,28 @@ EOF
 
 # ---------------------------------------------------------------- (b) nvcc per target
 check_nvcc_compile() {
+  # one nvcc per (file, target), MAX_JOBS at a time
+  local jobs="$WORK/nvcc-jobs.txt"
+  : >"$jobs"
   for f in "$ROOT"/csrc/cuda/*.cu; do
     for t in "${TARGETS[@]}"; do
-      local out="$WORK/$(basename "$f" .cu)_sm_$t.o"
-      if nvcc "${NVCC_FLAGS[@]}" -gencode="arch=compute_$t,code=sm_$t" -c "$f" -o "$out" >"$out.log" 2>&1; then
-        say "compiled $(basename "$f") for sm_$t"
-      else
-        head -20 "$out.log"
-        fail "nvcc $(basename "$f") for sm_$t"
-      fi
+      echo "$f $t" >>"$jobs"
     done
   done
+  export WORK
+  export NVCC_FLAGS_STR="${NVCC_FLAGS[*]}"
+  xargs -P "$MAX_JOBS" -L 1 bash -c '
+    f=$0; t=$1; out="$WORK/$(basename "$f" .cu)_sm_$t.o"
+    if nvcc $NVCC_FLAGS_STR -gencode="arch=compute_$t,code=sm_$t" -c "$f" -o "$out" >"$out.log" 2>&1; then
+      echo "compiled $(basename "$f") for sm_$t"
+    else
+      echo "FAILED $(basename "$f") for sm_$t"; head -20 "$out.log"
+    fi' <"$jobs" | tee "$WORK/nvcc.log" | sed "s/^/[cuda-check] /"
+  if grep -q "^FAILED" "$WORK/nvcc.log"; then
+    fail "nvcc compile (see $WORK/*.o.log)"
+  else
+    say "all $(wc -l <"$jobs") nvcc compiles passed"
+  fi
 }
 
 case "$MODE" in

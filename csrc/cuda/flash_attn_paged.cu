@@ -18,6 +18,7 @@
 // garbage or NaN in unused cache slots never reaches the output.
 #include <math.h>
 
+#include <atomic>
 #include <initializer_list>
 
 #include "tile.cuh"
@@ -503,9 +504,16 @@ cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUte
                         cudaStream_t stream) {
   using L = AttnLayout<D, kFp8>;
   auto kernel = attn_kernel<D, T, kFp8, kLoader>;
-  // The shared-memory opt-in is per function and device; set it every call
-  // (a cheap host call, legal during graph capture).
-  PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes));
+  // The shared-memory opt-in is per function and device: set once per device
+  // (the first, eager call; a captured graph's launches then need nothing).
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes));
+    configured.fetch_or(bit);
+  }
   kernel<<<grid, kAttnThreads, L::kAllocBytes, stream>>>(p, kmap, vmap);
   PKV_CUDA_TRY(cudaGetLastError());
   if (p.num_splits > 1) {
