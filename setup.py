@@ -77,16 +77,21 @@ cpp_sources = [s for s in rel("csrc/torch/*.cpp") if not s.endswith("_cuda.cpp")
 cxx_flags = ["-std=c++17", "-Wall"] + OPT + SAN_FLAGS
 link_flags = SAN_FLAGS[:1]
 
+# CUDA targets: sm_80 (cp.async loader), sm_90a (TMA per page chunk), sm_100a
+# (TMA gather4), plus compute_80 PTX so newer GPUs JIT the cp.async path.
+# PAGEDKV_CUDA_ARCHS (e.g. "80" or "80,90a") narrows this for quick local builds.
+CUDA_ARCHS = [a.strip() for a in os.environ.get("PAGEDKV_CUDA_ARCHS", "80,90a,100a").split(",") if a.strip()]
+
 if WITH_CUDA:
+    # torch's build reads this even though the -gencode flags below decide (and
+    # crashes without it on a machine with no GPU)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;10.0a")
-    nvcc_flags = [
-        "-O3",
-        "-std=c++17",
-        "-lineinfo",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-gencode=arch=compute_100a,code=sm_100a",
-    ]
+    # torch >= 2.14 headers need C++20 (torch's own default when no -std is given)
+    cxx_flags = [f for f in cxx_flags if not f.startswith("-std=")] + ["-std=c++20"]
+    nvcc_flags = ["-O3", "-std=c++20", "-lineinfo"]
+    nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+    if "80" in CUDA_ARCHS:
+        nvcc_flags.append("-gencode=arch=compute_80,code=compute_80")
     ext = CUDAExtension(
         "pagedkv._C",
         sources=cpp_sources + rel("csrc/torch/*_cuda.cpp") + rel("csrc/cuda/*.cu"),
