@@ -356,8 +356,10 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   if (a->window_left < -1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: window_left must be -1 (no window) or >= 0, got %lld", op,
                     (long long)a->window_left);
-  if (!(a->softcap >= 0.0))
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be >= 0 (0 disables it), got %g", op, a->softcap);
+  /* inf would give softcap * tanh(s / softcap) = inf * 0 = NaN for every score */
+  if (!(a->softcap >= 0.0) || a->softcap == 1.0 / 0.0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be finite and >= 0 (0 disables it), got %g", op,
+                    a->softcap);
   if (!(a->scale == a->scale) || a->scale == 1.0 / 0.0 || a->scale == -1.0 / 0.0)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, a->scale);
   TRY(need_defined(&a->out, op, "out", err));
