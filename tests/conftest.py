@@ -66,10 +66,7 @@ def randn(gen, shape, dtype=torch.float32, device="cpu", scale=1.0) -> torch.Ten
 def poison_(t: torch.Tensor, kind: str = "nan", gen: torch.Generator | None = None) -> torch.Tensor:
     """Fill a (contiguous) tensor with NaN, or with random bytes (`kind="bytes"`)."""
     if kind == "nan":
-        if t.dtype.is_floating_point:
-            t.view(torch.uint8).copy_(_nan_bytes(t.dtype, t.numel()).view(t.view(torch.uint8).shape))
-        else:
-            t.fill_(-1)
+        t.fill_(float("nan") if t.dtype.is_floating_point else -1)
     elif kind == "bytes":
         raw = torch.randint(0, 256, (t.numel() * t.element_size(),), generator=gen, dtype=torch.uint8)
         t.view(torch.uint8).copy_(raw.view(t.view(torch.uint8).shape).to(t.device))
@@ -78,27 +75,24 @@ def poison_(t: torch.Tensor, kind: str = "nan", gen: torch.Generator | None = No
     return t
 
 
-def _nan_bytes(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    one = torch.full((1,), float("nan"), dtype=torch.float32).to(dtype).view(torch.uint8)
-    return one.repeat(numel)
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
 def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor"):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
     a, e = as_bytes(actual).cpu(), as_bytes(expected).cpu()
+    if torch.equal(a, e):
+        return
     diff = (a != e).reshape(actual.shape + (-1,) if actual.dim() else (-1,)).any(-1)
-    if diff.any():
-        idx = diff.nonzero()[:5].tolist()
-        first = tuple(idx[0])
-        raise AssertionError(
-            f"{what}: {int(diff.sum())} of {actual.numel()} elements differ; first at {idx}: "
-            f"got {actual[first].float().item() if actual.dim() else actual.item()!r} "
-            f"expected {expected[first].float().item() if expected.dim() else expected.item()!r}"
-        )
+    idx = diff.nonzero()[:5].tolist()
+    first = tuple(idx[0])
+    raise AssertionError(
+        f"{what}: {int(diff.sum())} of {actual.numel()} elements differ; first at {idx}: "
+        f"got {actual[first].float().item() if actual.dim() else actual.item()!r} "
+        f"expected {expected[first].float().item() if expected.dim() else expected.item()!r}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,6 +165,7 @@ def make_paged_kv(
     - "separate":   K and V pools [N, P, Hk, D]; noncontig: one [N, P, 2, Hk, D] (K/V interleaved)
     - "continuous": [slots, 2|1, L, max_len, Hk, D], P = max_len, views blocks[:, i, VIEW_LAYER]
     `noncontig` pads the head dim (and the scale groups) so rows are not dense.
+    The storage starts as NaN (-1 for integers) everywhere.
     """
     num_kv = 1 if k_only else 2
     pad = NONCONTIG_PAD if noncontig else 0
@@ -179,7 +174,7 @@ def make_paged_kv(
     N, P, H, D = num_pages, page_size, num_kv_heads, head_dim
 
     def alloc(lead, last, dt):
-        return torch.zeros((*lead, last), dtype=dt, device=device)
+        return poison_(torch.empty((*lead, last), dtype=dt, device=device))
 
     if layout in ("collection", "continuous"):
         lead = (N, num_kv, NUM_LAYERS, P, H)
@@ -340,6 +335,7 @@ def make_setup(
     noncontig=False,
     padding=0,
     unused="random",
+    extra_columns=1,
     device="cpu",
 ):
     """A layout sized for `rows` and its batch. For "continuous" P becomes the slot length."""
@@ -347,7 +343,7 @@ def make_setup(
         page_size = max([c + n for c, n in rows], default=0) + 3
     batch, num_pages = make_batch(
         gen, rows, page_size=page_size, padding=padding, unused=unused, layout=layout,
-        device=device,
+        extra_columns=extra_columns, device=device,
     )
     kv = make_paged_kv(
         layout,

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import pagedkv
-from conftest import DEVICES, FP8_DTYPES, dtype_name, make_batch, randn
+from conftest import (
+    DEVICES,
+    FP8_DTYPES,
+    assert_attention_close,
+    dtype_name,
+    make_batch,
+    randn,
+)
 from pagedkv import reference as ref
 from pagedkv.cache import (
     ContinuousBatchingKVCache,
@@ -214,8 +221,7 @@ def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
     assert torch.equal(k_loaded.float().cpu(), _expected_stored(key, dtype, 8).float().cpu())
     assert torch.equal(v_loaded.cpu(), _expected_stored(value, dtype, 8).float().cpu())
 
-    # Decode step: one more token per non-empty row, then attend.
-    rows2 = [(6, 1), (3, 1), (0, 0)]
+    # Decode step: one more token for rows 0 and 1, then attend.
     offsets2 = torch.tensor([0, 1, 2, 2], dtype=torch.int32, device=device)
     lengths2 = torch.tensor([6, 3, 0], dtype=torch.int32, device=device)
     step2 = KVCacheBatch(offsets2, lengths2, step.lookup_table)
@@ -226,14 +232,13 @@ def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
     out = cache.attention(layer, q, offsets2, lengths2, step.lookup_table, softcap=2.0)
     table = cache._table(layer, step.lookup_table)
     expected = ref.flash_attn_paged(
-        q, offsets2, cache.k_cache(layer), cache.v_cache(layer), lengths2, table,
+        q.double(), offsets2, cache.k_cache(layer), cache.v_cache(layer), lengths2, table,
         k_scales=cache.k_scales(layer), v_scales=cache.v_scales(layer), quant_group=8,
         softcap=2.0,
     )
     assert out.shape == (3, 2 * HK, D) and out.dtype == torch.float32
-    torch.testing.assert_close(out.cpu(), expected.cpu(), rtol=1e-5, atol=1e-6)
+    assert_attention_close(out, expected, torch.float32, f"{kind} attention")
     assert (out[2] == 0).all()
-    del rows2
 
 
 def _storage(cache):
@@ -284,11 +289,11 @@ def test_k_only_mla_attention(rng, backend, dtype):
     assert out.shape == (7, 4, v_head_dim)
     ks = cache.k_scales(0)
     expected = ref.flash_attn_paged(
-        q, step.input_row_offsets, cache.k_cache(0), cache.k_cache(0)[..., :v_head_dim],
+        q.double(), step.input_row_offsets, cache.k_cache(0), cache.k_cache(0)[..., :v_head_dim],
         step.cache_lengths, step.lookup_table, scale=0.05, k_scales=ks,
         v_scales=None if ks is None else ks[..., : v_head_dim // group], quant_group=group,
     )
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert_attention_close(out, expected, torch.float32, "MLA attention")
 
 
 def test_layer_and_which_errors():

@@ -122,9 +122,10 @@ PKV_HD uint8_t pkv_f32_to_e5m2(float x) {
   return (uint8_t)(sign | code);
 }
 
-/* Scale rule of the contract: scale = amax / FP8_MAX, or 1 when amax == 0. */
+/* Scale rule of the contract: scale = amax / FP8_MAX, or 1 when amax == 0.
+ * A NaN amax gives a NaN scale (the group's values are NaN, as in torch). */
 PKV_HD float pkv_fp8_scale_for(float amax, pkv_dtype dtype) {
-  return amax > 0.0f ? amax / pkv_fp8_max(dtype) : 1.0f;
+  return amax == 0.0f ? 1.0f : amax / pkv_fp8_max(dtype);
 }
 
 /* Quantize one element with its group's scale (clamp, then RNE cast). */

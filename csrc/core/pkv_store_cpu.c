@@ -27,8 +27,11 @@ static void store_head(const pkv_rows_view *src, int64_t row, int64_t head, cons
     float amax = 0.0f;
     for (int64_t i = g0; i < g1; i++) {
       float v = fabsf(pkv_load_f32(base, src_off + i, src->dtype));
-      /* NaN propagates into the scale, as torch's amax does */
-      if (!(v <= amax)) amax = v;
+      if (v != v) { /* NaN makes the group's scale NaN, as torch's amax does */
+        amax = v;
+        break;
+      }
+      if (v > amax) amax = v;
     }
     float scale = pkv_fp8_scale_for(amax, cache->dtype);
     for (int64_t i = g0; i < g1; i++) q[i] = pkv_fp8_quantize(pkv_load_f32(base, src_off + i, src->dtype), scale, cache->dtype);

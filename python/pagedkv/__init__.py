@@ -5,6 +5,14 @@ flash_attn_paged}; the functions below are typed wrappers of the same ops.
 """
 
 from . import reference
+from .cache import (
+    ContinuousBatchingKVCache,
+    KVCacheBatch,
+    PagedKVCache,
+    PagedKVCacheCollection,
+    PagedKVCacheFA3Fallback,
+)
+from .page_manager import OutOfPagesError, PageManager, copy_pages
 from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks
 
 __version__ = "0.1.0"
@@ -16,4 +24,12 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "reference",
+    "PagedKVCacheCollection",
+    "PagedKVCacheFA3Fallback",
+    "PagedKVCache",
+    "ContinuousBatchingKVCache",
+    "KVCacheBatch",
+    "PageManager",
+    "OutOfPagesError",
+    "copy_pages",
 ]

