@@ -49,14 +49,6 @@ BAD_INDEX_DTYPES = (torch.int64, torch.int16, torch.uint8, torch.int8, torch.flo
 ERRORS = (RuntimeError, ValueError, TypeError)
 
 
-# Known kernel bug (reported, csrc/core/pkv_store_cpu.c + pkv_numeric.h, owned by the kernel
-# author): a NaN in an FP8 quantization group is dropped from amax unless it is the group's last
-# element, and pkv_fp8_scale_for(NaN) returns 1, so the group gets a finite scale instead of the
-# contract's amax / FP8_MAX = NaN. While True, the fuzzer keeps NaN out of FP8 store inputs;
-# test_fp8_store_nan_group (xfail, strict) pins the contract behaviour and flips when fixed.
-KNOWN_BUG_FP8_NAN_GROUP = True
-
-
 class FuzzFailure(AssertionError):
     pass
 
@@ -650,10 +642,8 @@ def store_case(r, gen, desc):
     bases, views_fn, layout = cache_planes(r, gen, N, P, Hk, specs, group, fill_kind="bytes")
     desc.append(layout)
     key_dtype = pick(r, FLOAT_DTYPES)
-    nan_ok_k = not (KNOWN_BUG_FP8_NAN_GROUP and k_dtype in FP8_DTYPES)
-    nan_ok_v = not (KNOWN_BUG_FP8_NAN_GROUP and v_dtype in FP8_DTYPES)
-    key = ragged(r, gen, T, Hk, D, key_dtype, "key", mut, names, nan=nan_ok_k)
-    value = None if k_only else ragged(r, gen, T, Hk, Dv, pick(r, FLOAT_DTYPES), "value", mut, names, nan=nan_ok_v)
+    key = ragged(r, gen, T, Hk, D, key_dtype, "key", mut, names)
+    value = None if k_only else ragged(r, gen, T, Hk, Dv, pick(r, FLOAT_DTYPES), "value", mut, names)
     t_offsets = int32_tensor(r, offsets, [len(offsets)], "input_row_offsets", mut, names)
     t_lengths = int32_tensor(r, lengths, [len(lengths)], "cache_lengths", mut, names)
     t_table = int32_tensor(r, sum(table, []), [len(table), cols], "lookup_table", mut, names)
@@ -1070,11 +1060,11 @@ def _store_one_group(values, dtype):
     return cache, scales, want_cache, want_scales
 
 
-@pytest.mark.xfail(KNOWN_BUG_FP8_NAN_GROUP, strict=True, reason="kernel bug: NaN dropped from the FP8 group amax")
 @pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("values", [[math.nan, 1.0], [1.0, math.nan], [math.nan]], ids=["first", "last", "alone"])
 def test_fp8_store_nan_group(values, dtype):
-    """Contract: amax = max|x| is NaN, so scale = amax / FP8_MAX is NaN and every element is NaN."""
+    """Contract: amax = max|x| is NaN, so scale = amax / FP8_MAX is NaN and every element is NaN.
+    (Found by this fuzzer: the kernel used to drop a NaN that was not the group's last element.)"""
     cache, scales, want_cache, want_scales = _store_one_group(values, dtype)
     assert torch.isnan(scales).all() and torch.isnan(want_scales).all()
     assert torch.isnan(cache.float()).all() and torch.isnan(want_cache.float()).all()
