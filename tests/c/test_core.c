@@ -933,6 +933,49 @@ static void test_attn_kernel(void) {
   printf("  attention: worst abs error vs double %.3g\n", worst);
 }
 
+/* Edge values found by the fuzzer: integer overflow in the shared index math and the checks,
+ * and descriptors with negative strides (which a framework never makes, a caller could). */
+static void test_overflow_edges(void) {
+  CHECK(pkv_num_groups(INT64_MAX, 2) == INT64_MAX / 2 + 1, "num_groups(INT64_MAX, 2)");
+  CHECK(pkv_num_groups(4, INT64_MAX) == 1, "num_groups(4, INT64_MAX)");
+  CHECK(pkv_num_groups(128, 128) == 1 && pkv_num_groups(129, 128) == 2, "num_groups basics");
+  CHECK(pkv_pages_for(5, INT64_MAX) == 1 && pkv_pages_for(0, INT64_MAX) == 0, "pages_for with a huge page");
+  CHECK(pkv_pages_for(INT64_MAX, 1) == INT64_MAX, "pages_for(INT64_MAX, 1)");
+  /* quant_group = INT64_MAX: one scale group per head */
+  pkv_store_args a = store_valid();
+  a.k_cache.data = s_kq;
+  a.k_cache.dtype = PKV_DTYPE_FP8_E4M3;
+  a.k_scales = T4(s_ks, PKV_DTYPE_F32, SN, SP, SH, 1);
+  a.quant_group = INT64_MAX;
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+  /* a broadcast table of 2^62 columns over a broadcast page of 2^40 tokens: capacity overflows */
+  pkv_attn_args b = attn_valid();
+  int32_t table[SB] = {2, 3};
+  b.lookup_table = tensor_strided(table, PKV_DTYPE_I32, 2, (int64_t[]){SB, (int64_t)1 << 62}, (int64_t[]){1, 0});
+  b.k_cache.sizes[1] = b.v_cache.sizes[1] = (int64_t)1 << 40;
+  b.k_cache.strides[1] = b.v_cache.strides[1] = 0;
+  EXPECT_PASS(pkv_attn_check(&b, 1, &err_));
+  /* negative strides are rejected by name before any index value is read */
+  pkv_store_args c = store_valid();
+  c.input_row_offsets.strides[0] = -1;
+  EXPECT_FAIL(pkv_store_check(&c, 1, &err_), PKV_ERR_ARGUMENT, "paged_store", "input_row_offsets");
+  c = store_valid();
+  c.k_cache.strides[0] = -SP * SH * SD;
+  EXPECT_FAIL(pkv_store_check(&c, 1, &err_), PKV_ERR_ARGUMENT, "paged_store", "k_cache");
+  pkv_load_args d = load_valid();
+  d.lookup_table.strides[1] = -1;
+  EXPECT_FAIL(pkv_load_check(&d, 1, &err_), PKV_ERR_ARGUMENT, "paged_load", "lookup_table");
+  d = load_valid();
+  d.out.sizes[0] = -1;
+  EXPECT_FAIL(pkv_load_check(&d, 1, &err_), PKV_ERR_ARGUMENT, "paged_load", "out");
+  /* a size-1 dim's stride is never used: any value is fine */
+  d = load_valid();
+  d.out.sizes[1] = 1;
+  d.out.strides[1] = -7;
+  d.cache.sizes[2] = 1;
+  EXPECT_PASS(pkv_load_check(&d, 1, &err_));
+}
+
 int main(void) {
   test_fp8();
   printf("fp8: %d checks\n", g_checks);
@@ -942,6 +985,7 @@ int main(void) {
   test_store_check();
   test_load_check();
   test_attn_check();
+  test_overflow_edges();
   printf("checkers: %d checks\n", g_checks);
   test_store_kernel();
   test_load_kernel();
