@@ -18,10 +18,16 @@ static pkv_status need_defined(const pkv_tensor *t, const char *op, const char *
   return PKV_OK;
 }
 
+/* The rank, then (every tensor passes here first) strides: kernels and the value checks index
+ * with non-negative strides only; a framework may not produce others, a descriptor can. */
 static pkv_status need_dims(const pkv_tensor *t, int ndim, const char *op, const char *name, const char *shape,
                             pkv_error *err) {
   if (t->ndim != ndim)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be %d-D %s, got %d-D", op, name, ndim, shape, t->ndim);
+  for (int d = 0; d < ndim; d++)
+    if (t->sizes[d] < 0 || (t->sizes[d] > 1 && t->strides[d] < 0))
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have non-negative sizes and strides, got size(%d) = %lld, "
+                      "stride(%d) = %lld", op, name, d, (long long)t->sizes[d], d, (long long)t->strides[d]);
   return PKV_OK;
 }
 
@@ -185,7 +191,10 @@ static pkv_status check_capacity(int64_t b, int64_t cached, int64_t added, const
   if (cached < 0)
     return pkv_fail(err, PKV_ERR_INDEX, "%s: %s[%lld] must be >= 0, got %lld", op, cached_name, (long long)b,
                     (long long)cached);
-  if (cached + added > max_pages * page_size)
+  /* a table row of max_pages * page_size tokens; broadcast views can make that product overflow,
+   * and then it exceeds any int32 length */
+  int64_t capacity = max_pages > 0 && page_size > INT64_MAX / max_pages ? INT64_MAX : max_pages * page_size;
+  if (cached + added > capacity)
     return pkv_fail(err, PKV_ERR_INDEX,
                     "%s: row %lld needs %lld tokens (%s %lld + %lld new) but lookup_table holds %lld pages of %lld "
                     "tokens",
@@ -356,8 +365,10 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   if (a->window_left < -1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: window_left must be -1 (no window) or >= 0, got %lld", op,
                     (long long)a->window_left);
-  if (!(a->softcap >= 0.0))
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be >= 0 (0 disables it), got %g", op, a->softcap);
+  /* inf would give softcap * tanh(s / softcap) = inf * 0 = NaN for every score */
+  if (!(a->softcap >= 0.0) || a->softcap == 1.0 / 0.0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be finite and >= 0 (0 disables it), got %g", op,
+                    a->softcap);
   if (!(a->scale == a->scale) || a->scale == 1.0 / 0.0 || a->scale == -1.0 / 0.0)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, a->scale);
   TRY(need_defined(&a->out, op, "out", err));

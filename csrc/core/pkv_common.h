@@ -46,7 +46,7 @@ typedef struct {
   void *data;     /* first element; may be NULL when numel == 0 */
   int defined;    /* 0 for an absent optional argument */
   pkv_dtype dtype;
-  int ndim;
+  int ndim;       /* may exceed PKV_MAX_DIMS: only the rank is recorded then, and checks reject it */
   int device;
   int64_t sizes[PKV_MAX_DIMS];
   int64_t strides[PKV_MAX_DIMS]; /* in elements */

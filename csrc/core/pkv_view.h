@@ -77,10 +77,12 @@ PKV_HD int64_t pkv_new_tokens(const pkv_index_view *offsets, int64_t b) {
 }
 
 /* Groups (scales per token and head) for head size d and group g. */
-PKV_HD int64_t pkv_num_groups(int64_t d, int64_t g) { return (d + g - 1) / g; }
+PKV_HD int64_t pkv_num_groups(int64_t d, int64_t g) { return d / g + (d % g != 0); } /* no d + g overflow */
 
 /* Number of pages covering `tokens` tokens. */
-PKV_HD int64_t pkv_pages_for(int64_t tokens, int64_t page_size) { return (tokens + page_size - 1) / page_size; }
+PKV_HD int64_t pkv_pages_for(int64_t tokens, int64_t page_size) {
+  return tokens / page_size + (tokens % page_size != 0); /* no tokens + page_size overflow */
+}
 
 /* Attention masks: the keys [lo, hi) query position p may see in a row of
  * `total` keys (bottom-right causal, optional left window). */

@@ -43,10 +43,10 @@ inline pkv_tensor describe(const at::Tensor &t) {
   d.data = t.numel() > 0 ? t.data_ptr() : nullptr;
   d.dtype = to_pkv_dtype(t.scalar_type());
   d.device = to_pkv_device(t.device());
-  TORCH_CHECK(t.dim() <= PKV_MAX_DIMS, "pagedkv: tensors of more than ", PKV_MAX_DIMS, " dims are not supported, got ",
-              t.dim(), "-D");
+  // A rank above PKV_MAX_DIMS keeps its ndim (sizes past the sixth are not recorded): every
+  // checker tests the rank before it reads a size, so the error names the argument.
   d.ndim = static_cast<int>(t.dim());
-  for (int i = 0; i < d.ndim; i++) {
+  for (int i = 0; i < d.ndim && i < PKV_MAX_DIMS; i++) {
     d.sizes[i] = t.size(i);
     d.strides[i] = t.stride(i);
   }

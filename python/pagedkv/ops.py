@@ -61,11 +61,29 @@ def paged_load(
     """
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise TypeError(f"paged_load: cache must be a 4-D [N, P, Hk, D] tensor, got {_describe(cache)}")
     if out_dtype is None:
         out_dtype = torch.float32 if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache.dtype
-    offsets = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
-    torch.cumsum(seq_lens, 0, out=offsets[1:])
-    total = int(offsets[-1].item())
+    # The output is sized from seq_lens, so they are validated before allocating (one host sync).
+    offsets = torch.zeros(seq_lens.numel() + 1, dtype=torch.int64, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, dtype=torch.int64, out=offsets[1:])
+    if seq_lens.numel():
+        low, high, total = torch.stack([seq_lens.min().long(), seq_lens.max().long(), offsets[-1]]).tolist()
+    else:
+        low = high = total = 0
+    if low < 0:
+        raise ValueError(f"paged_load: seq_lens must be >= 0, got {low}")
+    if isinstance(lookup_table, torch.Tensor) and lookup_table.dim() == 2:
+        capacity = lookup_table.size(1) * cache.size(1)
+        if high > capacity:
+            raise ValueError(
+                f"paged_load: seq_lens must be <= {capacity} (lookup_table holds {lookup_table.size(1)} pages of "
+                f"{cache.size(1)} tokens), got {high}"
+            )
+    if total > 2**31 - 1:
+        raise ValueError(f"paged_load: sum(seq_lens) must fit int32 row offsets, got {total}")
+    offsets = offsets.to(torch.int32)
     out = torch.empty((total, cache.size(-2), cache.size(-1)), dtype=out_dtype, device=cache.device)
     _ops.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group)
     return out
@@ -120,22 +138,42 @@ def _describe(x) -> str:
 
 
 # ---- fake kernels: shapes and dtypes only, for torch.compile / meta tensors ----
+#
+# The dispatcher also sends a call that mixes meta tensors with real ones here (Meta outranks
+# CPU), so the fakes check devices like the core does; otherwise such a call would silently
+# write nothing.
+
+
+def _same_device(op, reference_name, reference, **tensors):
+    for name, t in tensors.items():
+        if t is not None and t.device != reference.device:
+            raise RuntimeError(
+                f"{op}: {name} must be on the same device as {reference_name} ({reference.device}), got {t.device}"
+            )
 
 
 @torch.library.register_fake("pagedkv::paged_store")
 def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
                       k_scales=None, v_scales=None, quant_group=128):
+    _same_device("paged_store", "k_cache", k_cache, key=key, value=value, v_cache=v_cache,
+                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths, lookup_table=lookup_table,
+                 k_scales=k_scales, v_scales=v_scales)
     return None
 
 
 @torch.library.register_fake("pagedkv::paged_load")
 def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group=128):
+    _same_device("paged_load", "cache", cache, scales=scales, lookup_table=lookup_table, seq_lens=seq_lens,
+                 output_row_offsets=output_row_offsets, out=out)
     return None
 
 
 @torch.library.register_fake("pagedkv::flash_attn_paged")
 def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                            causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1, softcap=0.0):
+    _same_device("flash_attn_paged", "k_cache", k_cache, q=q, input_row_offsets=input_row_offsets,
+                 v_cache=v_cache, cache_lengths=cache_lengths, lookup_table=lookup_table, k_scales=k_scales,
+                 v_scales=v_scales)
     return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
 
 
@@ -143,4 +181,7 @@ def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths
 def _flash_attn_paged_out_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                                causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
                                softcap=0.0, *, out):
+    _same_device("flash_attn_paged", "k_cache", k_cache, q=q, input_row_offsets=input_row_offsets,
+                 v_cache=v_cache, cache_lengths=cache_lengths, lookup_table=lookup_table, k_scales=k_scales,
+                 v_scales=v_scales, out=out)
     return None
