@@ -51,12 +51,19 @@ OPT = ["-O1", "-g"] if SANITIZE else ["-O3"]
 # The core is C: its own flags, not torch's C++ flags.
 C_FLAGS = ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS
 # CPU kernels per ISA (csrc/core/pkv_cpu_kernels.inc compiled once per file), each a
-# static library with its own flags, picked at run time by cpuid (pkv_cpu_dispatch.c).
-# Never -march=native: the wheel must run on any x86-64.
-CPU_ISA_FLAGS = {
-    "csrc/core/pkv_cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
-    "csrc/core/pkv_cpu_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"],
-}
+# static library with its own flags (csrc/core/isa_flags.txt), picked at run time by
+# cpuid (pkv_cpu_dispatch.c).
+def read_isa_flags():
+    flags = {}
+    with open(os.path.join(ROOT, "csrc", "core", "isa_flags.txt")) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                flags["csrc/core/" + words[0]] = words[1:]
+    return flags
+
+
+CPU_ISA_FLAGS = read_isa_flags()
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/core/*.inc")
 core_lib = (
