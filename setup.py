@@ -56,6 +56,8 @@ C_FLAGS = ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OP
 CPU_ISA_FLAGS = {
     "csrc/core/pkv_cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "csrc/core/pkv_cpu_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"],
+    "csrc/core/pkv_cpu_amx.c": ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+                                "-mavx2", "-mfma", "-mf16c"],
 }
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/core/*.inc")
