@@ -156,8 +156,10 @@ def cpu_isa() -> str:
         best = "avx2"
     if best == "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
         best = "avx512" + ("+bf16" if "avx512_bf16" in flags else "")
+    if best == "avx512+bf16" and {"amx_bf16", "amx_tile"} <= flags:
+        best = "amx"  # (when Linux grants the tile state; otherwise the core runs avx512)
     want = os.environ.get("PAGEDKV_CPU_ISA")
-    order = ["scalar", "avx2", "avx512"]
+    order = ["scalar", "avx2", "avx512", "amx"]
     if want in order and order.index(want) < order.index(best.split("+")[0]):
         best = want
     return best

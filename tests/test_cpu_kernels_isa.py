@@ -1,14 +1,16 @@
-"""Every CPU kernel path (PAGEDKV_CPU_ISA=scalar|avx2|avx512) against the others and a float64 reference.
+"""Every CPU kernel path (PAGEDKV_CPU_ISA=scalar|avx2|avx512|amx) against the others and a float64 reference.
 
 The ISA is chosen once per process, so each path runs in a subprocess (this file with --worker) that
 computes attention (decode rows, prefill chunks on a prefix, a long split-KV decode), paged_store and
 paged_load over a grid and saves the outputs; the test process compares them:
 - attention with float32 q: within 1e-5 (norm-wise relative and max-abs relative) of float64;
-  bf16/f16 q (the bf16 dot-product path): within the output dtype's rounding;
+  bf16/f16 q (the bf16 dot-product and AMX tile paths): within the output dtype's rounding;
 - paths against each other: float32 attention within 1e-5; store/load bit-for-bit;
 - paged_store to FP8: codes and scales equal to the contract's rule computed with torch
   (amax / FP8_MAX, x / scale, clamp, cast), including NaN / inf / subnormal inputs.
-Paths the CPU cannot run fall back to the best it can, so the test runs anywhere.
+Paths the CPU cannot run fall back to the best it can, so the test runs anywhere; the AMX path is
+skipped where the CPU has no AMX-BF16 (it would only repeat AVX-512). The workers run concurrently, and
+page size x GQA are paired (each value of each still covered per ISA x dtype x head size) to keep CI short.
 """
 
 from __future__ import annotations
@@ -23,10 +25,22 @@ import pytest
 import torch
 
 HEAD_SIZES = [64, 80, 96, 128, 256]
-PAGE_SIZES = [1, 16, 64]
-GQA = [1, 4, 8]
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
-ISAS = ["scalar", "avx2", "avx512"]
+# (page size, query heads per KV head): every page size and GQA value, without their full product
+PAGE_GQA = [(1, 4), (16, 8), (64, 1)]
+
+
+def cpu_has_amx():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+ISAS = ["scalar", "avx2", "avx512"] + (["amx"] if cpu_has_amx() else [])
+ALL_ISAS = ["scalar", "avx2", "avx512", "amx"]
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -53,13 +67,17 @@ def quantize(x, dtype, group):
 def attn_cases():
     cases = []
     for d in HEAD_SIZES:
-        for p in PAGE_SIZES:
-            for g in GQA:
-                for cdt in CACHE_DTYPES:
-                    qdts = [torch.float32] + ([torch.bfloat16] if cdt in (torch.bfloat16,) + FP8 else [])
-                    for qdt in qdts:
-                        group = 32 if (cdt in FP8 and d == 96) else 128  # G < D and G >= D both covered
-                        cases.append(dict(d=d, p=p, gqa=g, cdt=cdt, qdt=qdt, group=group, new=[1, 37, 0], cached=[150, 30, 5]))
+        for p, g in PAGE_GQA:
+            for cdt in CACHE_DTYPES:
+                qdts = [torch.float32] + ([torch.bfloat16] if cdt in (torch.bfloat16,) + FP8 else [])
+                qdts += [torch.float16] if cdt == torch.float16 else []
+                for qdt in qdts:
+                    group = 32 if (cdt in FP8 and d == 96) else 128  # G < D and G >= D both covered
+                    cases.append(dict(d=d, p=p, gqa=g, cdt=cdt, qdt=qdt, group=group, new=[1, 37, 0], cached=[150, 30, 5]))
+    # a long prefill chunk: several full 64-key tiles and 32-row tile pairs per item (AMX)
+    for cdt in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        qdt = torch.float16 if cdt == torch.float16 else torch.bfloat16
+        cases.append(dict(d=128, p=16, gqa=4, cdt=cdt, qdt=qdt, group=128, new=[150], cached=[70], hk=2))
     # long decode: few items -> split-KV with a log-sum-exp merge
     for cdt in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for qdt in (torch.float32, torch.bfloat16):
@@ -184,10 +202,13 @@ def outputs():
     outs = {}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
         for isa in ISAS:
             path = os.path.join(tmp, isa + ".pt")
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", path],
-                           env=dict(env, PAGEDKV_CPU_ISA=isa), check=True, timeout=1200)
+            procs[isa] = (path, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", path],
+                                                 env=dict(env, PAGEDKV_CPU_ISA=isa)))
+        for isa, (path, proc) in procs.items():
+            assert proc.wait(timeout=1200) == 0, f"{isa} worker failed"
             outs[isa] = torch.load(path)
     return outs
 
@@ -208,8 +229,14 @@ def references():
     return refs
 
 
-@pytest.mark.parametrize("isa", ISAS)
+def need(isa):
+    if isa not in ISAS:
+        pytest.skip(f"this CPU has no {isa}")
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
 def test_attention_against_float64(outputs, references, isa):
+    need(isa)
     bad = []
     for i, case in enumerate(attn_cases()):
         ref, used_rows = references[i]
@@ -222,8 +249,9 @@ def test_attention_against_float64(outputs, references, isa):
     assert not bad, f"{len(bad)} cases off: {bad[:3]}"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
 def test_paths_agree(outputs, isa):
+    need(isa)
     for i, case in enumerate(attn_cases()):
         a, b = outputs["scalar"]["attn"][i], outputs[isa]["attn"][i]
         if case["qdt"] == torch.float32:
@@ -237,8 +265,9 @@ def test_paths_agree(outputs, isa):
             assert torch.equal(x["loads"][odt].view(torch.uint8), y["loads"][odt].view(torch.uint8)), (s, c, g, odt)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ALL_ISAS)
 def test_store_matches_contract_rule(outputs, isa):
+    need(isa)
     key, value, offsets, lengths, table, p = store_inputs(7)
     for (s, c, g), got in zip(STORE_CASES, outputs[isa]["store"]):
         for x, cache, scales in ((key.to(s), got["k"], got["ks"]), (value.to(s), got["v"], got["vs"])):

@@ -230,9 +230,10 @@ void pkv_attn_plan_free(pkv_attn_plan *plan) {
 /* One allocation per work range, carved into the scratch arrays (64-byte aligned). */
 static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64_t dv) {
   int64_t keys = PKV_CPU_KEYS_PER_TILE, dp = pkv_cpu_pad(d), d2p = pkv_cpu_pad((d + 1) / 2), dvp = pkv_cpu_pad(dv);
+  nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
   int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
-                   2 * keys + dp;
+                   2 * keys + dp + nq * keys / 2 + keys / 2 * dvp + nq * d2p;
   size_t ptr_bytes = (size_t)(8 * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
   char *mem = (char *)aligned_alloc(64, bytes);
@@ -253,6 +254,9 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->kscale = f, f += keys;
   w->vscale = f, f += keys;
   w->zero = (uint32_t *)f, f += dp;
+  w->pb = (uint16_t *)f, f += nq * keys / 2;
+  w->vb = (uint32_t *)f, f += keys / 2 * dvp;
+  w->qt = (uint32_t *)f, f += nq * d2p;
   memset(w->zero, 0, (size_t)dp * sizeof(uint32_t));
   const void **p = (const void **)f;
   w->kptr = p, p += 2 * keys;

@@ -23,7 +23,9 @@ extern "C" {
 
 PKV_HD int64_t pkv_cpu_pad(int64_t n) { return (n + PKV_CPU_MAX_LANES - 1) / PKV_CPU_MAX_LANES * PKV_CPU_MAX_LANES; }
 
-/* Per-thread attention scratch, allocated once per work range (never in the
+/* Query-vector arrays (q, qw, s, acc, pb, m, l) hold nqa = nq rounded up to
+ * 32 rows, so the AMX path can pad its tiles with zero rows.
+ * Per-thread attention scratch, allocated once per work range (never in the
  * hot loop). nq = query vectors of one item (rows x heads per KV head). */
 typedef struct {
   int64_t nq, d, dv;   /* capacity */
@@ -39,6 +41,9 @@ typedef struct {
   const void **kptr, **vptr;               /* [2, KEYS] row pointers of the current and next tile */
   const float **ksptr, **vsptr;            /* [2, KEYS] scale rows (FP8) */
   uint32_t *zero;                          /* [pad(d)] a zero row for padding keys */
+  uint16_t *pb;                            /* [nqa, KEYS] probabilities as bf16 (AMX) */
+  uint32_t *vb;                            /* [KEYS/2, pad(dv)] V tile as bf16 key pairs (AMX) */
+  uint32_t *qt;                            /* [nqa, pad(d/2)] Q^T per KV head, bf16 pairs (AMX decode) */
 } pkv_cpu_attn_scratch;
 
 typedef struct {
@@ -64,6 +69,7 @@ typedef struct {
 extern const pkv_cpu_kernels pkv_cpu_kernels_scalar;
 extern const pkv_cpu_kernels pkv_cpu_kernels_avx2;
 extern const pkv_cpu_kernels pkv_cpu_kernels_avx512;
+extern const pkv_cpu_kernels pkv_cpu_kernels_amx;
 
 /* The table for this process (chosen once; thread-safe). */
 const pkv_cpu_kernels *pkv_cpu_kernels_get(void);

@@ -1,8 +1,9 @@
 /* pagedkv core: pick the CPU kernel table once per process.
  *
  * cpuid and XGETBV (the OS must save the wider registers) decide what the CPU
- * can run; PAGEDKV_CPU_ISA=scalar|avx2|avx512 lowers the choice (tests force
+ * can run; PAGEDKV_CPU_ISA=scalar|avx2|avx512|amx lowers the choice (tests force
  * each path this way). Any other value, or none, means the best available. */
+#define _GNU_SOURCE 1 /* syscall() */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,7 +14,18 @@
 #define PKV_CPU_X86 1
 #endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
+
+#if defined(PKV_CPU_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PKV_ARCH_REQ_XCOMP_PERM 0x1023
+#define PKV_XFEATURE_XTILEDATA 18
+/* Linux hands out the AMX tile state only on request (once per process). */
+static int amx_permitted(void) { return syscall(SYS_arch_prctl, PKV_ARCH_REQ_XCOMP_PERM, PKV_XFEATURE_XTILEDATA) == 0; }
+#else
+static int amx_permitted(void) { return 0; }
+#endif
 
 typedef struct {
   int isa;
@@ -44,16 +56,21 @@ static cpu_choice detect(void) {
     c.isa = ISA_AVX512;
     unsigned a1 = 0, b1, c1, d1;
     if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) c.dot_bf16 = (a1 >> 5) & 1;
+    /* AMX-BF16 (edx bit 22) and AMX-TILE (bit 24), tile state enabled in XCR0 (bits 17, 18) */
+    int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    if (c.dot_bf16 && amx_bf16 && amx_tile && (x & 0x60000) == 0x60000) c.isa = ISA_AMX;
   }
   const char *want = getenv("PAGEDKV_CPU_ISA");
   if (want) {
     int cap = strcmp(want, "scalar") == 0 ? ISA_SCALAR
               : strcmp(want, "avx2") == 0 ? ISA_AVX2
               : strcmp(want, "avx512") == 0 ? ISA_AVX512
-                                            : ISA_AVX512;
+                                            : ISA_AMX;
     if (cap < c.isa) c.isa = cap;
   }
-  if (c.isa != ISA_AVX512) c.dot_bf16 = 0;
+  /* the syscall only when AMX would be used; AVX-512 when the OS refuses */
+  if (c.isa == ISA_AMX && !amx_permitted()) c.isa = ISA_AVX512;
+  if (c.isa < ISA_AVX512) c.dot_bf16 = 0;
 #endif
   return c;
 }
@@ -76,6 +93,7 @@ static cpu_choice choice(void) {
 const pkv_cpu_kernels *pkv_cpu_kernels_get(void) {
 #ifdef PKV_CPU_X86
   switch (choice().isa) {
+  case ISA_AMX: return &pkv_cpu_kernels_amx;
   case ISA_AVX512: return &pkv_cpu_kernels_avx512;
   case ISA_AVX2: return &pkv_cpu_kernels_avx2;
   default: break;
