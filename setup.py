@@ -7,6 +7,7 @@ it will run with:  pip install --no-build-isolation -e .
 
 import glob
 import os
+import platform
 import shutil
 
 from setuptools import setup
@@ -48,28 +49,56 @@ SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if SANIT
 OPT = ["-O1", "-g"] if SANITIZE else ["-O3"]
 
 # The core is C: its own flags, not torch's C++ flags.
+C_FLAGS = ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS
+# CPU kernels per ISA (csrc/core/pkv_cpu_kernels.inc compiled once per file), each a
+# static library with its own flags (csrc/core/isa_flags.txt), picked at run time by
+# cpuid (pkv_cpu_dispatch.c).
+def read_isa_flags():
+    flags = {}
+    with open(os.path.join(ROOT, "csrc", "core", "isa_flags.txt")) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                flags["csrc/core/" + words[0]] = words[1:]
+    return flags
+
+
+CPU_ISA_FLAGS = read_isa_flags()
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/core/*.inc")
 core_lib = (
     "pkv_core",
     {
-        "sources": rel("csrc/core/*.c"),
-        "cflags": ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS,
+        "sources": [s for s in rel("csrc/core/*.c") if s not in CPU_ISA_FLAGS],
+        "cflags": C_FLAGS,
+        "depends": CORE_DEPENDS,
     },
 )
+# Listed after pkv_core: the static link resolves pkv_core's references to their tables.
+isa_libs = [
+    (os.path.splitext(os.path.basename(src))[0], {"sources": [src], "cflags": C_FLAGS + flags, "depends": CORE_DEPENDS})
+    for src, flags in CPU_ISA_FLAGS.items()
+] if IS_X86 else []
 
 cpp_sources = [s for s in rel("csrc/torch/*.cpp") if not s.endswith("_cuda.cpp")]
 cxx_flags = ["-std=c++17", "-Wall"] + OPT + SAN_FLAGS
 link_flags = SAN_FLAGS[:1]
 
+# CUDA targets: sm_80 (cp.async loader), sm_90a (TMA per page chunk), sm_100a
+# (TMA gather4), plus compute_80 PTX so newer GPUs JIT the cp.async path.
+# PAGEDKV_CUDA_ARCHS (e.g. "80" or "80,90a") narrows this for quick local builds.
+CUDA_ARCHS = [a.strip() for a in os.environ.get("PAGEDKV_CUDA_ARCHS", "80,90a,100a").split(",") if a.strip()]
+
 if WITH_CUDA:
+    # torch's build reads this even though the -gencode flags below decide (and
+    # crashes without it on a machine with no GPU)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;10.0a")
-    nvcc_flags = [
-        "-O3",
-        "-std=c++17",
-        "-lineinfo",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-gencode=arch=compute_100a,code=sm_100a",
-    ]
+    # torch >= 2.14 headers need C++20 (torch's own default when no -std is given)
+    cxx_flags = [f for f in cxx_flags if not f.startswith("-std=")] + ["-std=c++20"]
+    nvcc_flags = ["-O3", "-std=c++20", "-lineinfo"]
+    nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+    if "80" in CUDA_ARCHS:
+        nvcc_flags.append("-gencode=arch=compute_80,code=compute_80")
     ext = CUDAExtension(
         "pagedkv._C",
         sources=cpp_sources + rel("csrc/torch/*_cuda.cpp") + rel("csrc/cuda/*.cu"),
@@ -95,7 +124,7 @@ class BuildWithCore(BuildExtension):
 
 
 setup(
-    libraries=[core_lib],
+    libraries=[core_lib] + isa_libs,
     ext_modules=[ext],
     cmdclass={"build_ext": BuildWithCore},
 )

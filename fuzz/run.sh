@@ -66,8 +66,19 @@ per_target=$(( seconds / ${#targets[@]} ))
 [ "$per_target" -ge 1 ] || per_target=1
 status=0
 summary=()
+# The core is compiled once (the ISA variants with their own flags) and linked into every target.
+# shellcheck source=../scripts/isa_flags.sh
+source "$root/scripts/isa_flags.sh"
+mkdir -p "$out/core"
+core_objects=()
+for source in "$root"/csrc/core/*.c; do
+  object="$out/core/$(basename "$source" .c).o"
+  # shellcheck disable=SC2046  # the ISA variants' flags are a word list
+  "$cc" "${flags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
+  core_objects+=("$object")
+done
 for target in "${targets[@]}"; do
-  "$cc" "${flags[@]}" "$root/fuzz/$target.c" "$root"/csrc/core/*.c -lm -o "$out/$target"
+  "$cc" "${flags[@]}" "$root/fuzz/$target.c" "${core_objects[@]}" -lm -o "$out/$target"
   corpus="$root/fuzz/corpus/$target"
   work="$out/work/$target"
   mkdir -p "$corpus" "$work"

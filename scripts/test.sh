@@ -19,7 +19,10 @@ printf '\n==> Python test suite\n'
 python3 -m pytest -q -ra tests
 
 if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ]; then
-  printf '\n==> CUDA build check (compile, link, registration, gather4 in the sm_100a binary)\n'
-  bash .ci/cuda_build_check.sh
+  printf '\n==> CUDA build check (every .cu for sm_80, sm_90a, sm_100a; gather4 in the sm_100a binary)\n'
+  # nvcc mode: every .cu for sm_80/sm_90a/sm_100a plus the gather4 check. The full
+  # extension build against the CUDA torch (PAGEDKV_CUDA_CHECK_MODE=venv) takes longer
+  # than the CI budget on 2 cores; run it by hand (see .ci/cuda_build_check.sh).
+  PAGEDKV_CUDA_CHECK_MODE="${PAGEDKV_CUDA_CHECK_MODE:-nvcc}" bash .ci/cuda_build_check.sh
 fi
 printf '\nall tests passed in %ss\n' "$(( $(date +%s) - start ))"

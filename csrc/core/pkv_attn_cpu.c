@@ -1,44 +1,214 @@
-/* pagedkv core: flash_attn_paged on the CPU.
+/* pagedkv core: flash_attn_paged on the CPU, the ISA-free driver.
  *
- * One work item = (batch row, KV head, block of query rows). All query heads
- * that share the KV head are processed together, so every K/V tile is read
- * and converted to float once per item (decode reads the KV once). Scores
- * use an online softmax (running max m, sum l, accumulator acc) in float32. */
+ * The plan lists work items (batch row, KV head, block of query rows, key
+ * range). All query heads that share a KV head are one item, so every K/V
+ * tile is read and converted once per item (decode reads the KV once). The
+ * kernels themselves (tiles, QK^T, online softmax, PV) live in
+ * pkv_cpu_kernels.inc, compiled per ISA and picked at run time (pkv_cpu.h).
+ *
+ * Two scheduling rules keep both cores busy under torch's static split of
+ * [0, num_items) into one contiguous range per thread:
+ *  - split-KV: a plan with few items (decode at small B x Hk) splits long
+ *    rows' keys into several items whose (max, sum, acc) partials the last
+ *    finisher merges with a log-sum-exp; the split count does not depend on
+ *    the thread count, so results do not either;
+ *  - balance: items are ordered heaviest, lightest, 2nd heaviest, 2nd
+ *    lightest, ..., so every contiguous range holds about the same work
+ *    (causal prefill blocks differ in cost by up to their row index). */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "pkv_cpu.h"
 #include "pkv_numeric.h"
-#include "pkv_ops.h"
 
-/* Query rows per work item: enough to reuse each converted K/V tile across
- * many queries in prefill, small enough to give every core several items. */
-#define PKV_CPU_ROWS_PER_ITEM 32
-/* Keys converted per tile: K and V tiles of 64 x D floats stay in L1/L2. */
-#define PKV_CPU_KEYS_PER_TILE 64
+/* Query vectors (rows x query heads of one KV head) per item: each packed
+ * 64-key tile is reused by 128 vectors, and acc/scores (128 x 128 floats)
+ * stay in L2. */
+#define PKV_CPU_QUERIES_PER_ITEM 128
+/* Split-KV: plans with fewer items than this split rows of at least twice
+ * PKV_CPU_SPLIT_MIN_KEYS keys; a split never has fewer keys than that, so the
+ * merge (nq x Dv floats per split) stays negligible next to the KV read. */
+#define PKV_CPU_SPLIT_TARGET_ITEMS 64
+#define PKV_CPU_SPLIT_MIN_KEYS 512
+
+static int64_t rows_per_item(int64_t heads) {
+  int64_t r = PKV_CPU_QUERIES_PER_ITEM / heads;
+  return r < 1 ? 1 : r;
+}
+
+/* KV heads per item for a row with `rows` new tokens: rows short of a full
+ * block (decode) take several heads, up to the same query-vector budget. */
+static int64_t heads_per_item(int64_t rows, int64_t rows_max, int64_t heads, int64_t hk) {
+  if (rows <= 0 || rows >= rows_max) return 1;
+  int64_t nh = PKV_CPU_QUERIES_PER_ITEM / (rows * heads);
+  return nh < 1 ? 1 : (nh > hk ? hk : nh);
+}
+
+typedef struct {
+  atomic_int *done;   /* [groups] finished splits */
+  int64_t *count;     /* [groups] splits in the group */
+  int64_t *first;     /* [groups] first slot of the group */
+  float *partials;    /* [slots, slot_floats]: m[nq], l[nq], acc[nq, dv] */
+  int64_t slot_floats;
+} split_state;
+
+static void split_state_free(split_state *s) {
+  if (!s) return;
+  free(s->done);
+  free(s->count);
+  free(s->first);
+  free(s->partials);
+  free(s);
+}
+
+/* Keys [lo, hi) any row of the item can see. */
+static void item_keys(const pkv_attn_args *a, const pkv_index_view *offsets, const pkv_index_view *lengths,
+                      const pkv_attn_item *it, int64_t *lo_out, int64_t *hi_out) {
+  int64_t b = it->batch, start = pkv_index_at(offsets, b), cached = pkv_cache_length(lengths, b);
+  int64_t total = cached + pkv_new_tokens(offsets, b), kmin = total, kmax = 0;
+  for (int64_t r = 0; r < it->num_rows; r++) {
+    int64_t lo, hi;
+    pkv_visible_keys(cached + (it->first_row + r - start), total, a->causal, a->window_left, &lo, &hi);
+    if (lo < kmin) kmin = lo;
+    if (hi > kmax) kmax = hi;
+  }
+  *lo_out = kmin;
+  *hi_out = kmax > kmin ? kmax : kmin;
+}
+
+typedef struct {
+  int64_t cost;
+  int64_t index;
+} item_cost;
+
+static int by_cost_desc(const void *x, const void *y) {
+  const item_cost *a = (const item_cost *)x, *b = (const item_cost *)y;
+  if (a->cost != b->cost) return a->cost > b->cost ? -1 : 1;
+  return a->index < b->index ? -1 : (a->index > b->index);
+}
 
 pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_error *err) {
   pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
-  int64_t batch = offsets.rows - 1, hk = a->k_cache.sizes[2];
-  int64_t count = 0;
-  for (int64_t b = 0; b < batch; b++)
-    count += (pkv_new_tokens(&offsets, b) + PKV_CPU_ROWS_PER_ITEM - 1) / PKV_CPU_ROWS_PER_ITEM * hk;
+  pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
+  int64_t batch = offsets.rows - 1, hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk;
+  int64_t rows_max = rows_per_item(heads), count = 0;
   plan->items = NULL;
   plan->num_items = 0;
-  if (count > 0) {
-    plan->items = (pkv_attn_item *)malloc((size_t)count * sizeof *plan->items);
-    if (!plan->items) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for the work plan");
+  plan->splits = NULL;
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t rows = pkv_new_tokens(&offsets, b), nh = heads_per_item(rows, rows_max, heads, hk);
+    count += (rows + rows_max - 1) / rows_max * ((hk + nh - 1) / nh);
   }
+
+  pkv_attn_item *items = NULL;
+  if (count > 0) {
+    items = (pkv_attn_item *)malloc((size_t)count * sizeof *items);
+    if (!items) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for the work plan");
+  }
+  int64_t n = 0, splits_wanted = 1;
   for (int64_t b = 0; b < batch; b++) {
     int64_t start = pkv_index_at(&offsets, b), rows = pkv_new_tokens(&offsets, b);
-    for (int64_t r = 0; r < rows; r += PKV_CPU_ROWS_PER_ITEM)
-      for (int64_t h = 0; h < hk; h++) {
-        pkv_attn_item *it = &plan->items[plan->num_items++];
+    int64_t nh = heads_per_item(rows, rows_max, heads, hk);
+    for (int64_t r = 0; r < rows; r += rows_max)
+      for (int64_t h = 0; h < hk; h += nh) {
+        pkv_attn_item *it = &items[n++];
         it->batch = b;
         it->first_row = start + r;
-        it->num_rows = rows - r < PKV_CPU_ROWS_PER_ITEM ? rows - r : PKV_CPU_ROWS_PER_ITEM;
+        it->num_rows = rows - r < rows_max ? rows - r : rows_max;
         it->kv_head = h;
+        it->num_kv_heads = hk - h < nh ? hk - h : nh;
+        item_keys(a, &offsets, &lengths, it, &it->key_begin, &it->key_end);
+        it->split_group = -1;
+        it->split_slot = -1;
       }
   }
+  if (n > 0 && n < PKV_CPU_SPLIT_TARGET_ITEMS) splits_wanted = (PKV_CPU_SPLIT_TARGET_ITEMS + n - 1) / n;
+
+  /* ---- split-KV ---- */
+  if (splits_wanted > 1) {
+    int64_t groups = 0, slots = 0, nq_max = rows_max * heads, dv = a->v_cache.sizes[3];
+    for (int64_t i = 0; i < n; i++) {
+      int64_t s = (items[i].key_end - items[i].key_begin) / PKV_CPU_SPLIT_MIN_KEYS;
+      s = s < splits_wanted ? s : splits_wanted;
+      if (s > 1) {
+        groups++;
+        slots += s;
+      }
+    }
+    if (groups > 0) {
+      split_state *st = (split_state *)calloc(1, sizeof *st);
+      pkv_attn_item *all = (pkv_attn_item *)malloc((size_t)(n - groups + slots) * sizeof *all);
+      if (st) {
+        st->slot_floats = pkv_cpu_pad(nq_max * (dv + 2));
+        st->done = (atomic_int *)malloc((size_t)groups * sizeof *st->done);
+        st->count = (int64_t *)malloc((size_t)groups * sizeof *st->count);
+        st->first = (int64_t *)malloc((size_t)groups * sizeof *st->first);
+        st->partials = (float *)malloc((size_t)(slots * st->slot_floats) * sizeof(float));
+      }
+      if (!st || !all || !st->done || !st->count || !st->first || !st->partials) {
+        split_state_free(st);
+        free(all);
+        free(items);
+        return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for the split-KV plan");
+      }
+      int64_t m = 0, g = 0, slot = 0;
+      for (int64_t i = 0; i < n; i++) {
+        int64_t span = items[i].key_end - items[i].key_begin;
+        int64_t s = span / PKV_CPU_SPLIT_MIN_KEYS;
+        s = s < splits_wanted ? s : splits_wanted;
+        if (s <= 1) {
+          all[m++] = items[i];
+          continue;
+        }
+        /* equal chunks, rounded to whole 64-key tiles */
+        int64_t chunk = (span + s - 1) / s;
+        chunk = (chunk + PKV_CPU_KEYS_PER_TILE - 1) / PKV_CPU_KEYS_PER_TILE * PKV_CPU_KEYS_PER_TILE;
+        int64_t made = 0;
+        for (int64_t k = items[i].key_begin; k < items[i].key_end; k += chunk) {
+          pkv_attn_item it = items[i];
+          it.key_begin = k;
+          it.key_end = k + chunk < items[i].key_end ? k + chunk : items[i].key_end;
+          it.split_group = g;
+          it.split_slot = slot + made++;
+          all[m++] = it;
+        }
+        atomic_init(&st->done[g], 0);
+        st->count[g] = made;
+        st->first[g] = slot;
+        slot += made;
+        g++;
+      }
+      free(items);
+      items = all;
+      n = m;
+      plan->splits = st;
+    }
+  }
+
+  /* ---- balance contiguous ranges: heaviest, lightest, 2nd heaviest, ... ---- */
+  if (n > 2) {
+    item_cost *cost = (item_cost *)malloc((size_t)n * sizeof *cost);
+    pkv_attn_item *ordered = (pkv_attn_item *)malloc((size_t)n * sizeof *ordered);
+    if (cost && ordered) {
+      for (int64_t i = 0; i < n; i++) {
+        cost[i].cost =
+            items[i].num_rows * items[i].num_kv_heads * (items[i].key_end - items[i].key_begin + PKV_CPU_KEYS_PER_TILE);
+        cost[i].index = i;
+      }
+      qsort(cost, (size_t)n, sizeof *cost, by_cost_desc);
+      for (int64_t i = 0, lo = 0, hi = n - 1; i < n; i++) ordered[i] = items[cost[(i & 1) ? hi-- : lo++].index];
+      free(items);
+      items = ordered;
+    } else {
+      free(ordered); /* keep the natural order */
+    }
+    free(cost);
+  }
+  plan->items = items;
+  plan->num_items = n;
+
   /* padding rows (at or after offsets[B]) output zeros */
   pkv_rows_view out = pkv_rows_view_from(&a->out);
   size_t row_bytes = (size_t)out.head_dim * pkv_dtype_size(out.dtype);
@@ -51,151 +221,109 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
 
 void pkv_attn_plan_free(pkv_attn_plan *plan) {
   free(plan->items);
+  split_state_free((split_state *)plan->splits);
   plan->items = NULL;
+  plan->splits = NULL;
   plan->num_items = 0;
 }
 
-/* Convert keys [k0, k1) of row b, head h into dst[(k - k0) * d + i] (dequantized). */
-static void load_tile(const pkv_cache_view *c, const pkv_cache_view *s, int64_t group, const pkv_index_view *table,
-                      int64_t b, int64_t h, int64_t k0, int64_t k1, float *dst) {
-  int64_t d = c->head_dim;
-  for (int64_t k = k0; k < k1; k++) {
-    int64_t page = pkv_page_of(table, b, k, c->page_size), slot = k % c->page_size;
-    int64_t src = pkv_cache_offset(c, page, slot, h);
-    float *out = dst + (k - k0) * d;
-    switch (c->dtype) {
-    case PKV_DTYPE_F32: memcpy(out, (const float *)c->data + src, (size_t)d * sizeof(float)); break;
-    case PKV_DTYPE_BF16: {
-      const uint16_t *p = (const uint16_t *)c->data + src;
-      for (int64_t i = 0; i < d; i++) out[i] = pkv_bf16_to_f32(p[i]);
-      break;
-    }
-    case PKV_DTYPE_F16: {
-      const uint16_t *p = (const uint16_t *)c->data + src;
-      for (int64_t i = 0; i < d; i++) out[i] = pkv_f16_to_f32(p[i]);
-      break;
-    }
-    default: {
-      const uint8_t *p = (const uint8_t *)c->data + src;
-      const float *sc = (const float *)s->data + pkv_cache_offset(s, page, slot, h);
-      int e4m3 = c->dtype == PKV_DTYPE_FP8_E4M3;
-      for (int64_t i = 0; i < d; i++) out[i] = (e4m3 ? pkv_e4m3_to_f32(p[i]) : pkv_e5m2_to_f32(p[i])) * sc[i / group];
-      break;
-    }
-    }
-  }
+/* One allocation per work range, carved into the scratch arrays (64-byte aligned). */
+static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64_t dv) {
+  int64_t keys = PKV_CPU_KEYS_PER_TILE, dp = pkv_cpu_pad(d), d2p = pkv_cpu_pad((d + 1) / 2), dvp = pkv_cpu_pad(dv);
+  int64_t nqp = pkv_cpu_pad(nq);
+  int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
+                   2 * keys + dp;
+  size_t ptr_bytes = (size_t)(8 * keys) * sizeof(void *);
+  size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
+  char *mem = (char *)aligned_alloc(64, bytes);
+  if (!mem) return NULL;
+  float *f = (float *)mem;
+  w->nq = nq;
+  w->d = d;
+  w->dv = dv;
+  w->q = f, f += nq * dp;
+  w->qw = (uint32_t *)f, f += nq * d2p;
+  w->kt = (uint32_t *)f, f += dp * keys;
+  w->krow = (uint32_t *)f, f += keys * dp;
+  w->vt = f, f += keys * dvp;
+  w->s = f, f += nq * keys;
+  w->acc = f, f += nq * dvp;
+  w->m = f, f += nqp;
+  w->l = f, f += nqp;
+  w->kscale = f, f += keys;
+  w->vscale = f, f += keys;
+  w->zero = (uint32_t *)f, f += dp;
+  memset(w->zero, 0, (size_t)dp * sizeof(uint32_t));
+  const void **p = (const void **)f;
+  w->kptr = p, p += 2 * keys;
+  w->vptr = p, p += 2 * keys;
+  w->ksptr = (const float **)p, p += 2 * keys;
+  w->vsptr = (const float **)p;
+  return mem;
 }
 
-static float dot(const float *x, const float *y, int64_t n) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < n; i++) acc += x[i] * y[i];
-  return acc;
-}
-
-typedef struct {
-  float *q;   /* [rows * G, D], pre-scaled */
-  float *acc; /* [rows * G, Dv] */
-  float *m;   /* [rows * G] running max */
-  float *l;   /* [rows * G] running sum */
-  float *k;   /* [KEYS_PER_TILE, D] */
-  float *v;   /* [KEYS_PER_TILE, Dv] */
-  float *p;   /* [KEYS_PER_TILE] */
-} attn_scratch;
-
-static void run_item(const pkv_attn_args *a, const pkv_attn_item *it, attn_scratch *w) {
-  pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
-  pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
-  pkv_index_view table = pkv_index_view_from(&a->lookup_table);
-  pkv_cache_view kc = pkv_cache_view_from(&a->k_cache), vc = pkv_cache_view_from(&a->v_cache);
-  pkv_cache_view ks = {0}, vs = {0};
-  if (a->k_scales.defined) ks = pkv_cache_view_from(&a->k_scales);
-  if (a->v_scales.defined) vs = pkv_cache_view_from(&a->v_scales);
-  pkv_rows_view q = pkv_rows_view_from(&a->q), out = pkv_rows_view_from(&a->out);
-  int64_t d = kc.head_dim, dv = vc.head_dim, group_heads = q.num_heads / kc.num_heads;
-  int64_t b = it->batch, start = pkv_index_at(&offsets, b), cached = pkv_cache_length(&lengths, b);
-  int64_t total = cached + pkv_new_tokens(&offsets, b);
-  float scale = (float)a->scale, softcap = (float)a->softcap;
-
-  /* keys any query of this block can see */
-  int64_t kmin = total, kmax = 0;
-  for (int64_t r = 0; r < it->num_rows; r++) {
-    int64_t lo, hi;
-    pkv_visible_keys(cached + (it->first_row + r - start), total, a->causal, a->window_left, &lo, &hi);
-    if (lo < kmin) kmin = lo;
-    if (hi > kmax) kmax = hi;
-  }
-  for (int64_t r = 0; r < it->num_rows; r++)
-    for (int64_t g = 0; g < group_heads; g++) {
-      int64_t qi = r * group_heads + g, head = it->kv_head * group_heads + g;
-      int64_t src = (it->first_row + r) * q.stride_row + head * q.stride_head;
-      for (int64_t i = 0; i < d; i++) w->q[qi * d + i] = pkv_load_f32(q.data, src + i, q.dtype) * scale;
-      w->m[qi] = -INFINITY;
-      w->l[qi] = 0.0f;
-      memset(w->acc + qi * dv, 0, (size_t)dv * sizeof(float));
+/* Log-sum-exp merge of a split group's partials into out. */
+static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st) {
+  pkv_rows_view out = pkv_rows_view_from(&a->out);
+  int64_t hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk, dv = a->v_cache.sizes[3];
+  int64_t per_head = it->num_rows * heads, nq = per_head * it->num_kv_heads, count = st->count[it->split_group];
+  const float *base = st->partials + st->first[it->split_group] * st->slot_floats;
+  for (int64_t qi = 0; qi < nq; qi++) {
+    /* query vector order: (KV head of the item, row, query head of the group) */
+    int64_t hh = qi / per_head, r = qi % per_head / heads;
+    int64_t head = (it->kv_head + hh) * heads + qi % heads;
+    int64_t dst = (it->first_row + r) * out.stride_row + head * out.stride_head;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t s = 0; s < count; s++) {
+      float m = base[s * st->slot_floats + qi];
+      if (m > mx) mx = m;
     }
-
-  for (int64_t k0 = kmin; k0 < kmax; k0 += PKV_CPU_KEYS_PER_TILE) {
-    int64_t k1 = k0 + PKV_CPU_KEYS_PER_TILE < kmax ? k0 + PKV_CPU_KEYS_PER_TILE : kmax;
-    load_tile(&kc, &ks, a->quant_group, &table, b, it->kv_head, k0, k1, w->k);
-    load_tile(&vc, &vs, a->quant_group, &table, b, it->kv_head, k0, k1, w->v);
-    for (int64_t r = 0; r < it->num_rows; r++) {
-      int64_t lo, hi;
-      pkv_visible_keys(cached + (it->first_row + r - start), total, a->causal, a->window_left, &lo, &hi);
-      lo = lo > k0 ? lo : k0;
-      hi = hi < k1 ? hi : k1;
-      if (lo >= hi) continue;
-      for (int64_t g = 0; g < group_heads; g++) {
-        int64_t qi = r * group_heads + g;
-        const float *qv = w->q + qi * d;
-        float tile_max = -INFINITY;
-        for (int64_t k = lo; k < hi; k++) {
-          float s = dot(qv, w->k + (k - k0) * d, d);
-          if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-          w->p[k - k0] = s;
-          if (!(s <= tile_max)) tile_max = s;
-        }
-        float m_new = w->m[qi] > tile_max ? w->m[qi] : tile_max;
-        if (m_new == -INFINITY) continue; /* every visible score is -inf */
-        float correction = expf(w->m[qi] - m_new), sum = 0.0f;
-        float *acc = w->acc + qi * dv;
-        for (int64_t i = 0; i < dv; i++) acc[i] *= correction;
-        for (int64_t k = lo; k < hi; k++) {
-          float pk = expf(w->p[k - k0] - m_new);
-          const float *vr = w->v + (k - k0) * dv;
-          sum += pk;
-          for (int64_t i = 0; i < dv; i++) acc[i] += pk * vr[i];
-        }
-        w->l[qi] = w->l[qi] * correction + sum;
-        w->m[qi] = m_new;
-      }
+    float weight[PKV_CPU_SPLIT_TARGET_ITEMS];
+    for (int64_t s = 0; s < count; s++) {
+      const float *p = base + s * st->slot_floats;
+      weight[s] = mx == -INFINITY || p[qi] == -INFINITY ? 0.0f : expf(p[qi] - mx);
+      sum += weight[s] * p[nq + qi];
+    }
+    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t i = 0; i < dv; i++) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < count; s++) acc += weight[s] * base[s * st->slot_floats + 2 * nq + qi * dv + i];
+      pkv_store_f32(out.data, dst + i, out.dtype, acc * inv);
     }
   }
-
-  for (int64_t r = 0; r < it->num_rows; r++)
-    for (int64_t g = 0; g < group_heads; g++) {
-      int64_t qi = r * group_heads + g, head = it->kv_head * group_heads + g;
-      int64_t dst = (it->first_row + r) * out.stride_row + head * out.stride_head;
-      float inv = w->l[qi] > 0.0f ? 1.0f / w->l[qi] : 0.0f;
-      for (int64_t i = 0; i < dv; i++) pkv_store_f32(out.data, dst + i, out.dtype, w->acc[qi * dv + i] * inv);
-    }
 }
 
 pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
                         pkv_error *err) {
-  int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3];
-  int64_t nq = PKV_CPU_ROWS_PER_ITEM * (a->q.sizes[1] / a->k_cache.sizes[2]);
-  size_t floats = (size_t)(nq * d + nq * dv + 2 * nq + PKV_CPU_KEYS_PER_TILE * (d + dv + 1));
-  float *mem = (float *)malloc(floats * sizeof(float));
-  if (!mem) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for %zu scratch floats", floats);
-  attn_scratch w;
-  w.q = mem;
-  w.acc = w.q + nq * d;
-  w.m = w.acc + nq * dv;
-  w.l = w.m + nq;
-  w.k = w.l + nq;
-  w.v = w.k + PKV_CPU_KEYS_PER_TILE * d;
-  w.p = w.v + PKV_CPU_KEYS_PER_TILE * dv;
-  for (int64_t i = begin; i < end; i++) run_item(a, &plan->items[i], &w);
+  if (begin >= end) return PKV_OK;
+  int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3], heads = a->q.sizes[1] / a->k_cache.sizes[2];
+  int64_t nq = rows_per_item(heads) * heads, dvp = pkv_cpu_pad(dv);
+  pkv_cpu_attn_scratch w;
+  void *mem = scratch_alloc(&w, nq, d, dv);
+  if (!mem) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for attention scratch");
+  const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
+  pkv_dtype kdt = a->k_cache.dtype;
+  /* bf16 dot products are exact only when q and the (raw) keys are bf16 values */
+  int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
+                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && a->quant_group >= d));
+  split_state *st = (split_state *)plan->splits;
+  for (int64_t i = begin; i < end; i++) {
+    const pkv_attn_item *it = &plan->items[i];
+    if (it->split_group < 0) {
+      k->attn_item(a, it, use_dot, 1, &w);
+      continue;
+    }
+    k->attn_item(a, it, use_dot, 0, &w);
+    int64_t rows = it->num_rows * heads * it->num_kv_heads;
+    float *slot = st->partials + it->split_slot * st->slot_floats;
+    memcpy(slot, w.m, (size_t)rows * sizeof(float));
+    memcpy(slot + rows, w.l, (size_t)rows * sizeof(float));
+    for (int64_t qi = 0; qi < rows; qi++) memcpy(slot + 2 * rows + qi * dv, w.acc + qi * dvp, (size_t)dv * sizeof(float));
+    /* the last split of the group to finish merges (acq_rel: it sees every partial) */
+    if (atomic_fetch_add_explicit(&st->done[it->split_group], 1, memory_order_acq_rel) + 1 ==
+        st->count[it->split_group])
+      merge_splits(a, it, st);
+  }
   free(mem);
   return PKV_OK;
 }

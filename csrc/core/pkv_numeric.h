@@ -9,7 +9,8 @@
 
 #include "pkv_common.h"
 
-#ifdef __CUDACC__
+#if defined(__CUDA_ARCH__)
+/* device pass of nvcc: the intrinsics (memcpy also works but is slower to compile) */
 PKV_HD uint32_t pkv_f32_bits(float x) { return __float_as_uint(x); }
 PKV_HD float pkv_f32_from_bits(uint32_t b) { return __uint_as_float(b); }
 #else

@@ -75,12 +75,18 @@ typedef struct {
   int64_t batch;      /* row b */
   int64_t first_row;  /* first query row of the block (ragged index) */
   int64_t num_rows;   /* query rows in the block */
-  int64_t kv_head;
+  int64_t kv_head;            /* first KV head */
+  int64_t num_kv_heads;       /* KV heads [kv_head, kv_head + num_kv_heads): decode items take several so a
+                                 token's heads (contiguous in the usual layouts) are streamed together */
+  int64_t key_begin, key_end; /* keys [key_begin, key_end) of the row this item attends to */
+  int64_t split_group;        /* -1, or the split-KV group whose partial results it merges into */
+  int64_t split_slot;         /* its partial-result slot in that case */
 } pkv_attn_item;
 
 typedef struct {
   pkv_attn_item *items;
   int64_t num_items;
+  void *splits; /* split-KV state (partials, counters), owned by the plan */
 } pkv_attn_plan;
 
 pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_error *err);

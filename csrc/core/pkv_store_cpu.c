@@ -1,41 +1,27 @@
-/* pagedkv core: paged_store and paged_load on the CPU. */
+/* pagedkv core: paged_store and paged_load on the CPU, the ISA-free drivers.
+ * Conversions and FP8 quantization run in the ISA table's store_vec/load_vec
+ * (pkv_cpu.h), bit-exact with the scalar rules of pkv_numeric.h. */
 #include <math.h>
 
+#include "pkv_cpu.h"
 #include "pkv_numeric.h"
-#include "pkv_ops.h"
 
-/* Quantize or convert one head vector x[0..d) into the cache at dst. */
-static void store_head(const pkv_rows_view *src, int64_t row, int64_t head, const pkv_cache_view *cache,
-                       int64_t dst, const pkv_cache_view *scales, int64_t scale_dst, int64_t group) {
-  const char *base = (const char *)src->data;
-  int64_t src_off = row * src->stride_row + head * src->stride_head;
-  int64_t d = cache->head_dim;
-  if (!pkv_dtype_is_fp8(cache->dtype)) {
-    if (src->dtype == cache->dtype) {
-      size_t es = pkv_dtype_size(src->dtype);
-      memcpy((char *)cache->data + dst * (int64_t)es, base + src_off * (int64_t)es, (size_t)d * es);
-      return;
-    }
-    for (int64_t i = 0; i < d; i++)
-      pkv_store_f32(cache->data, dst + i, cache->dtype, pkv_load_f32(base, src_off + i, src->dtype));
+/* Convert (or quantize) the Hk head vectors of one token row into the cache.
+ * Same dtype and both sides dense across heads: one copy for all heads. */
+static void store_token(const pkv_cpu_kernels *k, const pkv_rows_view *src, int64_t row, const pkv_cache_view *cache,
+                        const pkv_cache_view *scales, int64_t page, int64_t slot, int64_t group) {
+  int64_t d = cache->head_dim, heads = cache->num_heads;
+  size_t ses = pkv_dtype_size(src->dtype), des = pkv_dtype_size(cache->dtype);
+  const char *s = (const char *)src->data + row * src->stride_row * (int64_t)ses;
+  char *dst = (char *)cache->data + pkv_cache_offset(cache, page, slot, 0) * (int64_t)des;
+  if (src->dtype == cache->dtype && src->stride_head == d && cache->stride_head == d) {
+    memcpy(dst, s, (size_t)(heads * d) * ses);
     return;
   }
-  uint8_t *q = (uint8_t *)cache->data + dst;
-  float *s = (float *)scales->data + scale_dst;
-  for (int64_t g0 = 0, gi = 0; g0 < d; g0 += group, gi++) {
-    int64_t g1 = g0 + group < d ? g0 + group : d;
-    float amax = 0.0f;
-    for (int64_t i = g0; i < g1; i++) {
-      float v = fabsf(pkv_load_f32(base, src_off + i, src->dtype));
-      if (v != v) { /* NaN makes the group's scale NaN, as torch's amax does */
-        amax = v;
-        break;
-      }
-      if (v > amax) amax = v;
-    }
-    float scale = pkv_fp8_scale_for(amax, cache->dtype);
-    for (int64_t i = g0; i < g1; i++) q[i] = pkv_fp8_quantize(pkv_load_f32(base, src_off + i, src->dtype), scale, cache->dtype);
-    s[gi] = scale;
+  for (int64_t h = 0; h < heads; h++) {
+    float *sc = scales->data ? (float *)scales->data + pkv_cache_offset(scales, page, slot, h) : NULL;
+    k->store_vec(s + h * src->stride_head * (int64_t)ses, src->dtype, d, dst + h * cache->stride_head * (int64_t)des,
+                 cache->dtype, sc, group);
   }
 }
 
@@ -59,6 +45,7 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
     if (a->v_scales.defined) vs = pkv_cache_view_from(&a->v_scales);
   }
   int64_t batch = lengths.rows, page_size = kc.page_size;
+  const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
   /* first row b whose token range contains `begin` (binary search) */
   int64_t lo = 0, hi = batch;
   while (lo < hi) {
@@ -72,13 +59,8 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
     for (; row < row_end && row < end; row++) {
       int64_t pos = cached + (row - start);
       int64_t page = pkv_page_of(&table, b, pos, page_size), slot = pos % page_size;
-      for (int64_t h = 0; h < kc.num_heads; h++) {
-        store_head(&key, row, h, &kc, pkv_cache_offset(&kc, page, slot, h), &ks,
-                   ks.data ? pkv_cache_offset(&ks, page, slot, h) : 0, a->quant_group);
-        if (vc.data)
-          store_head(&value, row, h, &vc, pkv_cache_offset(&vc, page, slot, h), &vs,
-                     vs.data ? pkv_cache_offset(&vs, page, slot, h) : 0, a->quant_group);
-      }
+      store_token(k, &key, row, &kc, &ks, page, slot, a->quant_group);
+      if (vc.data) store_token(k, &value, row, &vc, &vs, page, slot, a->quant_group);
     }
   }
 }
@@ -95,28 +77,34 @@ void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end) {
   pkv_cache_view s = {0};
   if (a->scales.defined) s = pkv_cache_view_from(&a->scales);
   pkv_rows_view out = pkv_rows_view_from(&a->out);
-  int64_t cols = table.cols, d = c.head_dim, group = a->quant_group;
-  size_t es = pkv_dtype_size(out.dtype);
+  int64_t cols = table.cols, d = c.head_dim, heads = c.num_heads, group = a->quant_group;
+  size_t es = pkv_dtype_size(out.dtype), ces = pkv_dtype_size(c.dtype);
+  const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
+  /* same dtype, dense heads and tokens on both sides: a page run is one copy */
+  int dense_heads = c.dtype == out.dtype && c.stride_head == d && out.stride_head == d;
+  int dense_tokens = dense_heads && c.stride_token == heads * d && out.stride_row == heads * d;
   for (int64_t item = begin; item < end; item++) {
     int64_t b = item / cols, j = item % cols;
     int64_t len = pkv_index_at(&lengths, b), t0 = j * c.page_size;
     if (t0 >= len) continue;
     int64_t t1 = t0 + c.page_size < len ? t0 + c.page_size : len;
     int64_t page = pkv_index_at2(&table, b, j), base_row = pkv_index_at(&offsets, b);
+    if (dense_tokens) {
+      memcpy((char *)out.data + (base_row + t0) * out.stride_row * (int64_t)es,
+             (const char *)c.data + pkv_cache_offset(&c, page, 0, 0) * (int64_t)ces, (size_t)((t1 - t0) * heads * d) * es);
+      continue;
+    }
     for (int64_t t = t0; t < t1; t++) {
-      for (int64_t h = 0; h < c.num_heads; h++) {
-        int64_t src = pkv_cache_offset(&c, page, t - t0, h);
-        int64_t dst = (base_row + t) * out.stride_row + h * out.stride_head;
-        if (c.dtype == out.dtype) {
-          memcpy((char *)out.data + dst * (int64_t)es, (const char *)c.data + src * (int64_t)es, (size_t)d * es);
-        } else if (pkv_dtype_is_fp8(c.dtype)) {
-          const float *sc = (const float *)s.data + pkv_cache_offset(&s, page, t - t0, h);
-          for (int64_t i = 0; i < d; i++)
-            pkv_store_f32(out.data, dst + i, out.dtype, pkv_load_f32(c.data, src + i, c.dtype) * sc[i / group]);
-        } else {
-          for (int64_t i = 0; i < d; i++)
-            pkv_store_f32(out.data, dst + i, out.dtype, pkv_load_f32(c.data, src + i, c.dtype));
-        }
+      char *dst_row = (char *)out.data + (base_row + t) * out.stride_row * (int64_t)es;
+      const char *src_row = (const char *)c.data + pkv_cache_offset(&c, page, t - t0, 0) * (int64_t)ces;
+      if (dense_heads) {
+        memcpy(dst_row, src_row, (size_t)(heads * d) * es);
+        continue;
+      }
+      for (int64_t h = 0; h < heads; h++) {
+        const float *sc = s.data ? (const float *)s.data + pkv_cache_offset(&s, page, t - t0, h) : NULL;
+        k->load_vec(src_row + h * c.stride_head * (int64_t)ces, c.dtype, sc, group, d,
+                    dst_row + h * out.stride_head * (int64_t)es, out.dtype);
       }
     }
   }

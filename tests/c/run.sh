@@ -8,6 +8,8 @@ set -euo pipefail
 shopt -s nullglob
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=../../scripts/isa_flags.sh
+source "$root/scripts/isa_flags.sh"
 bin="$root/tests/c/bin"
 cc="${CC:-gcc}"
 # shellcheck disable=SC2206  # EXTRA_CFLAGS is a word list on purpose
@@ -25,7 +27,8 @@ rm -f "$bin"/core/*.o
 objects=()
 for source in "$root"/csrc/core/*.c; do
   object="$bin/core/$(basename "$source" .c).o"
-  "$cc" "${cflags[@]}" -c "$source" -o "$object"
+  # shellcheck disable=SC2046  # the ISA variants' flags are a word list
+  "$cc" "${cflags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
   objects+=("$object")
 done
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Count TMA load instructions in a cubin without cuobjdump (not installed here).
+
+Reads the ELF sections `.text.<kernel>` of a cubin and looks at each 128-bit SASS
+word. On sm_90/sm_100 the TMA load (UTMALDG) has opcode 0x5b4 in the low 12 bits;
+the gather4 form differs from a plain tile load by one mode bit (bit 84 of the
+word, i.e. bit 20 of the high 64 bits), as measured in shared/notes/TMA.md (1.4)
+by diffing a gather4 kernel against an otherwise identical 2-D tile kernel.
+
+usage: sass_tma_count.py FILE.cubin [kernel-name-substring]
+prints one line per kernel: <tma loads> <of which gather4> <name>
+"""
+import struct
+import sys
+
+UTMALDG = 0x5B4
+GATHER4_BIT = 1 << 20  # in the high 64 bits
+
+
+def sections(path):
+    data = open(path, "rb").read()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise SystemExit(f"{path}: not an ELF64 file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = heads[shstrndx]
+    names = data[strtab[4]:strtab[4] + strtab[5]]
+    for h in heads:
+        name = names[h[0]:names.index(b"\0", h[0])].decode()
+        yield name, data[h[4]:h[4] + h[5]] if h[1] != 8 else b""  # 8 = SHT_NOBITS
+
+
+def main():
+    path = sys.argv[1]
+    want = sys.argv[2] if len(sys.argv) > 2 else ""
+    total = total_g4 = 0
+    for name, blob in sections(path):
+        if not name.startswith(".text.") or want not in name:
+            continue
+        loads = gather4 = 0
+        for i in range(0, len(blob) - 15, 16):
+            lo, hi = struct.unpack_from("<QQ", blob, i)
+            if (lo & 0xFFF) == UTMALDG:
+                loads += 1
+                gather4 += bool(hi & GATHER4_BIT)
+        total += loads
+        total_g4 += gather4
+        print(f"{loads:6d} {gather4:6d} {name[6:]}")
+    print(f"{total:6d} {total_g4:6d} TOTAL")
+
+
+if __name__ == "__main__":
+    main()

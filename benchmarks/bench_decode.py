@@ -1,0 +1,182 @@
+"""Decode attention (one new token per sequence) on the CPU: pagedkv.flash_attn_paged against peers.
+
+Candidates, all in one process on the same values (see common.py for the timing method):
+- pagedkv bf16   : flash_attn_paged on a bf16 paged cache (random page table unless --identity)
+- pagedkv fp8    : the same keys/values quantized to float8_e4m3fn, one scale per (token, head)
+- sdpa contiguous: torch SDPA on contiguous [B, Hk, L, D] K/V holding the same bf16 values,
+                   backend pinned to FLASH_ATTENTION (enable_gqa=True); the aten kernel that ran is recorded
+- gather + sdpa  : index_select of the pages of k_cache/v_cache, reshape, then the same SDPA
+                   (what a user writes without pagedkv)
+Bytes for GB/s: all K and V read once (+ FP8 scales, q and out). The KV of the CPU row is 64 MiB
+(bf16), above this machine's L2, so the row measures memory streaming, not L2 hits.
+
+Rows: the CPU grid row of BENCHMARKS.md (B=4, L=4096, Hq/Hk 32/8, D=128, page 16) and, with
+--pages (default in full mode), a page-size sweep {1, 8, 16, 32, 64, 128} at the same shape plus an
+identity-table point. Ratios: speedup over gather+SDPA and over SDPA, percent of the copy ceiling,
+fp8 speedup over bf16, time at page P relative to page 16.
+
+  python benchmarks/bench_decode.py --quick        # CPU row only (< 1 min)
+  python benchmarks/bench_decode.py                # CPU row + page sweep + more batch sizes
+"""
+
+from __future__ import annotations
+
+import common
+import torch
+from common import pagedkv
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+F = torch.nn.functional
+
+
+def make_case(B, L, Hq, Hk, D, P, gen, identity=False):
+    pages_per_seq = (L + P - 1) // P
+    num_pages = B * pages_per_seq
+    table = common.random_table(B, pages_per_seq, num_pages, gen, identity)
+    k = torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(B, Hq, D, generator=gen).to(torch.bfloat16)
+    offsets = torch.arange(B + 1, dtype=torch.int32)
+    cache_lengths = torch.full((B,), L - 1, dtype=torch.int32)  # the new token is already stored
+    return dict(B=B, L=L, Hq=Hq, Hk=Hk, D=D, P=P, table=table, k=k, v=v, q=q, offsets=offsets, lengths=cache_lengths)
+
+
+def run_case(c, args, with_peers=True, with_fp8=True, label=""):
+    B, L, Hq, Hk, D, P = (c[x] for x in ("B", "L", "Hq", "Hk", "D", "P"))
+    q, k, v, table, offsets, lengths = c["q"], c["k"], c["v"], c["table"], c["offsets"], c["lengths"]
+    cands = {"pagedkv_bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
+    out_bf16 = cands["pagedkv_bf16"]()
+    if with_fp8:
+        k8, ks = common.quantize_fp8(k)
+        v8, vs = common.quantize_fp8(v)
+        cands["pagedkv_fp8"] = lambda: pagedkv.flash_attn_paged(q, offsets, k8, v8, lengths, table, k_scales=ks,
+                                                                v_scales=vs)
+    backend = ""
+    if with_peers:
+        flat = table.reshape(-1).long()
+        kc = k.index_select(0, flat).view(B, -1, Hk, D)[:, :L].transpose(1, 2).contiguous()
+        vc = v.index_select(0, flat).view(B, -1, Hk, D)[:, :L].transpose(1, 2).contiguous()
+        q4 = q.view(B, Hq, 1, D)
+
+        def sdpa():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)
+
+        def gather_sdpa():
+            kg = k.index_select(0, flat).view(B, -1, Hk, D)[:, :L].transpose(1, 2)
+            vg = v.index_select(0, flat).view(B, -1, Hk, D)[:, :L].transpose(1, 2)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q4, kg, vg, enable_gqa=True)
+
+        cands["sdpa_contiguous"] = sdpa
+        cands["gather_sdpa"] = gather_sdpa
+        ref = sdpa().view(B, Hq, D).float()
+        err = (out_bf16.float() - ref).abs().max().item()
+        assert err < 3e-2, f"pagedkv and SDPA disagree by {err}"
+        backend = common.sdpa_backend_name(sdpa)
+    s = common.time_interleaved(cands, args.reps, args.warmup)
+    t = {n: common.median(x) for n, x in s.items()}
+    kv_bytes = 2 * B * L * Hk * D * 2
+    io_bytes = 2 * B * Hq * D * 2
+    row = dict(case=label or f"B={B} L={L} {Hq}/{Hk} D={D} P={P}", B=B, L=L, P=P, Hq=Hq, Hk=Hk, D=D,
+               bf16_ms=t["pagedkv_bf16"] * 1e3, bf16_gbps=(kv_bytes + io_bytes) / t["pagedkv_bf16"] / 1e9,
+               samples={n: x for n, x in s.items()})
+    if with_fp8:
+        fp8_bytes = kv_bytes // 2 + 2 * B * L * Hk * 4 + io_bytes
+        row.update(fp8_ms=t["pagedkv_fp8"] * 1e3, fp8_gbps=fp8_bytes / t["pagedkv_fp8"] / 1e9,
+                   fp8_speedup=t["pagedkv_bf16"] / t["pagedkv_fp8"])
+    if with_peers:
+        row.update(sdpa_ms=t["sdpa_contiguous"] * 1e3, gather_sdpa_ms=t["gather_sdpa"] * 1e3,
+                   vs_gather_sdpa=t["gather_sdpa"] / t["pagedkv_bf16"], vs_sdpa=t["sdpa_contiguous"] / t["pagedkv_bf16"],
+                   sdpa_backend=backend)
+    return row
+
+
+def main():
+    p = common.base_parser(__doc__)
+    p.add_argument("--pages", action="store_true", help="page-size sweep (default in full mode)")
+    args = p.parse_args()
+    common.setup(args)
+    gen = torch.Generator().manual_seed(args.seed)
+    env = common.environment()
+    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, threads {torch.get_num_threads()}, ISA {env['pagedkv_cpu_isa']}")
+
+    rows = [run_case(make_case(4, 4096, 32, 8, 128, 16, gen), args, label="CPU row: B=4 L=4k 32/8 D=128 P=16")]
+    sweep = []
+    if args.pages or not args.quick:
+        for P in (1, 8, 16, 32, 64, 128):
+            sweep.append(run_case(make_case(4, 4096, 32, 8, 128, P, gen), args, with_peers=(P == 16),
+                                  label=f"page sweep P={P}"))
+        sweep.append(run_case(make_case(4, 4096, 32, 8, 128, 16, gen, identity=True), args, with_peers=False,
+                              label="identity table P=16"))
+        ref16 = next(r for r in sweep if r["P"] == 16 and r["case"].startswith("page"))
+        for r in sweep:
+            r["vs_page16"] = r["bf16_ms"] / ref16["bf16_ms"]
+    if not args.quick:
+        for B, L in ((1, 16384), (16, 2048)):
+            rows.append(run_case(make_case(B, L, 32, 8, 128, 16, gen), args))
+    ceiling = common.finish_ceiling(ceiling, args)
+    for r in rows + sweep:
+        r["bf16_pct_copy"] = 100 * r["bf16_gbps"] / ceiling["gbps"]
+        if "fp8_gbps" in r:
+            r["fp8_pct_copy"] = 100 * r["fp8_gbps"] / ceiling["gbps"]
+
+    cols = ["case", "bf16_ms", "fp8_ms", "sdpa_ms", "gather_sdpa_ms", "bf16_gbps", "bf16_pct_copy", "vs_gather_sdpa",
+            "vs_sdpa", "fp8_speedup"]
+    print(f"\ncopy ceiling {ceiling['gbps']:.2f} GB/s (before {ceiling['before_gbps']:.2f}, after {ceiling['after_gbps']:.2f})")
+    common.print_table(rows, cols)
+    scols = ["case", "bf16_ms", "fp8_ms", "bf16_gbps", "bf16_pct_copy", "fp8_speedup", "vs_page16"]
+    if sweep:
+        print()
+        common.print_table(sweep, scols)
+    main_row = rows[0]
+    print(f"SDPA backend: {main_row.get('sdpa_backend')}")
+    targets = [
+        dict(target="decode >= 3x gather+SDPA", measured=main_row["vs_gather_sdpa"], met=main_row["vs_gather_sdpa"] >= 3),
+        dict(target="decode >= 70% of copy bandwidth", measured=main_row["bf16_pct_copy"],
+             met=main_row["bf16_pct_copy"] >= 70),
+        dict(target="fp8 decode faster than bf16", measured=main_row["fp8_speedup"], met=main_row["fp8_speedup"] > 1),
+    ]
+    if sweep:
+        p1 = next(r for r in sweep if r["P"] == 1)
+        targets.append(dict(target="page 1 within 25% of page 16", measured=p1["vs_page16"], met=p1["vs_page16"] <= 1.25))
+    for tg in targets:
+        print(f"target: {tg['target']:40s} measured {tg['measured']:.3g}  {'MET' if tg['met'] else 'MISSED'}")
+    if args.no_write:
+        return
+    stem = args.out or ("decode_cpu_quick" if args.quick else "decode_cpu")
+
+    def plot(path):
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(11 if sweep else 6, 4), squeeze=False)
+        ax = axes[0][0]
+        r = main_row
+        names = ["pagedkv bf16", "pagedkv fp8", "SDPA contiguous", "gather + SDPA"]
+        vals = [r["bf16_ms"], r["fp8_ms"], r["sdpa_ms"], r["gather_sdpa_ms"]]
+        ax.bar(names, vals, color=["C0", "C1", "C2", "C3"])
+        ax.set_ylabel("ms (median)")
+        ax.set_title(r["case"], fontsize=9)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        if sweep:
+            ax = axes[0][1]
+            sw = [x for x in sweep if x["case"].startswith("page")]
+            ax.plot([x["P"] for x in sw], [x["bf16_gbps"] for x in sw], "o-", label="pagedkv bf16")
+            ax.plot([x["P"] for x in sw], [x["fp8_gbps"] for x in sw], "s-", label="pagedkv fp8 (fp8 bytes)")
+            ax.axhline(ceiling["gbps"], color="k", ls="--", label="copy ceiling")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("page size (tokens)")
+            ax.set_ylabel("GB/s")
+            ax.set_title("decode page-size sweep, B=4 L=4k 32/8 D=128", fontsize=9)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{env['device']}, {env['threads']} threads, {env['date'][:10]}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    common.write_results(stem, "pagedkv CPU decode", __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling,
+                         rows + sweep, cols + ["vs_page16"], targets, plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Shared helpers of the pagedkv CPU benchmarks.
+
+Method (every script):
+- One process runs pagedkv, its peers and the memory ceiling, so each figure is a ratio taken
+  in the same run (BENCHMARKS.md). Threads = torch.get_num_threads() (default: all cores) for
+  pagedkv and for every peer alike.
+- Timing: time.perf_counter around one call. Each candidate is warmed up (default 3 calls), then
+  the candidates are timed round-robin, one call each per round, for >= 10 rounds; the figure is
+  the median per candidate. Interleaving makes a load spike on a shared machine hit every
+  candidate alike instead of one of them.
+- Ceiling: a >= 512 MiB uint8 tensor copy (dst.copy_(src)), bytes read + written / median time,
+  measured in the same process before the benchmark and again after it (the ratio uses the max).
+- Page tables are random permutations of the physical pages (seeded) unless a row says identity.
+- Caches are warm (no flush between repetitions); on CPU a KV pool larger than the last-level
+  cache is what makes a row memory-bound, and rows say which.
+- Results: JSON (every sample), Markdown table and optional PNG (matplotlib Agg) in
+  benchmarks/results/, with device, date, commit, torch version and the pagedkv CPU ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+
+# Prefer the package built in this checkout (python setup.py build_ext --inplace or
+# pip install -e .) over whatever pagedkv is installed elsewhere.
+if glob.glob(os.path.join(ROOT, "python", "pagedkv", "_C*.so")):
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+
+import pagedkv  # noqa: E402,F401
+
+MIN_REPS = 10
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only the CPU grid row(s); finishes in under a minute")
+    p.add_argument("--reps", type=int, default=MIN_REPS, help=f"timed rounds (median; at least {MIN_REPS})")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per candidate first")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, all cores)")
+    p.add_argument("--ceiling-mib", type=int, default=512, help="size of the copy-ceiling tensor (>= 512)")
+    p.add_argument("--out", default=None, help="result file stem in benchmarks/results/ (default: script name)")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def setup(args) -> None:
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    args.reps = max(args.reps, MIN_REPS)
+    args.ceiling_mib = max(args.ceiling_mib, 512)
+    torch.manual_seed(args.seed)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_interleaved(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int) -> Dict[str, List[float]]:
+    """Seconds per call for each candidate: warm-up, then `reps` round-robin rounds."""
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    names = list(candidates)
+    samples: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(reps):
+        order = names[r % len(names):] + names[: r % len(names)]  # rotate who goes first
+        for n in order:
+            t0 = time.perf_counter()
+            candidates[n]()
+            samples[n].append(time.perf_counter() - t0)
+    return samples
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def copy_ceiling(mib: int = 512, reps: int = MIN_REPS) -> dict:
+    """Same-run memory ceiling: GB/s of a large uint8 copy, read + written bytes."""
+    n = mib << 20
+    src = torch.empty(n, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    samples = time_interleaved({"copy": lambda: dst.copy_(src)}, reps, 2)["copy"]
+    t = median(samples)
+    return {"mib": mib, "seconds": t, "gbps": 2 * n / t / 1e9, "samples": samples}
+
+
+# ---------------------------------------------------------------- data
+
+
+def random_table(batch: int, pages_per_seq: int, num_pages: int, gen: torch.Generator, identity: bool = False):
+    """int32 [batch, pages_per_seq]: distinct physical pages, randomly permuted (or in order)."""
+    need = batch * pages_per_seq
+    assert need <= num_pages
+    ids = torch.arange(need) if identity else torch.randperm(num_pages, generator=gen)[:need]
+    return ids.to(torch.int32).view(batch, pages_per_seq)
+
+
+def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, group: int = 128):
+    """The contract's FP8 rule in torch: per (token, head, group) scale = amax / FP8_MAX."""
+    fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+    d = x.shape[-1]
+    ng = (d + group - 1) // group
+    xs = x.float()
+    pad = ng * group - d
+    if pad:
+        xs = torch.nn.functional.pad(xs, (0, pad))
+    g = xs.view(*xs.shape[:-1], ng, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = (g / scale).clamp(-fmax, fmax).to(dtype).view(*xs.shape[:-1], ng * group)[..., :d]
+    return q.contiguous(), scale.squeeze(-1).contiguous()
+
+
+def sdpa_backend_name(fn: Callable[[], object]) -> str:
+    """Name of the aten SDPA kernel that ran inside fn (one profiled call)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.key for e in prof.key_averages() if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"]
+    return ", ".join(sorted(set(names))) or "aten::scaled_dot_product_attention"
+
+
+# ---------------------------------------------------------------- environment
+
+
+def cpu_isa() -> str:
+    """The kernel table pagedkv's core picks (same rule as csrc/core/pkv_cpu_dispatch.c)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    best = "scalar"
+    if {"avx2", "fma", "f16c"} <= flags:
+        best = "avx2"
+    if best == "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        best = "avx512" + ("+bf16" if "avx512_bf16" in flags else "")
+    want = os.environ.get("PAGEDKV_CPU_ISA")
+    order = ["scalar", "avx2", "avx512"]
+    if want in order and order.index(want) < order.index(best.split("+")[0]):
+        best = want
+    return best
+
+
+def environment() -> dict:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "device": f"CPU: {model}",
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit + ("-dirty" if dirty else ""),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pagedkv_cpu_isa": cpu_isa(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or 0.01 <= abs(v) < 1e5:
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+        return f"{v:.3e}"
+    return str(v)
+
+
+def table_lines(rows: List[dict], columns: List[str]) -> List[str]:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
+    return out
+
+
+def print_table(rows: List[dict], columns: List[str]) -> None:
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+
+
+def write_results(stem: str, title: str, method: str, env: dict, ceiling: dict, rows: List[dict], columns: List[str],
+                  targets: Optional[List[dict]] = None, plot: Optional[Callable[[str], None]] = None) -> None:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    base = os.path.join(RESULTS_DIR, stem)
+    with open(base + ".json", "w") as f:
+        json.dump({"title": title, "method": method, "environment": env, "copy_ceiling": ceiling, "rows": rows,
+                   "targets": targets or []}, f, indent=1)
+    lines = [f"# {title}", "", method.strip(), ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- copy ceiling: {ceiling['gbps']:.2f} GB/s ({ceiling['mib']} MiB copy, read + write)", ""]
+    lines += table_lines(rows, columns)
+    if targets:
+        lines += ["", "## Targets", ""]
+        lines += table_lines(targets, ["target", "measured", "met"])
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            plot(base + ".png")
+        except ImportError:
+            print("matplotlib not installed: no PNG")
+    print(f"wrote {base}.json / .md" + (" / .png" if plot is not None else ""))
+
+
+def finish_ceiling(before: dict, args) -> dict:
+    """Measure the ceiling again after the benchmark; keep the higher (a load spike only lowers it)."""
+    after = copy_ceiling(args.ceiling_mib, args.reps)
+    best = before if before["gbps"] >= after["gbps"] else after
+    return {**best, "before_gbps": before["gbps"], "after_gbps": after["gbps"]}

@@ -1,0 +1,76 @@
+/* pagedkv core: the CPU kernels' ISA table (internal to csrc/core).
+ *
+ * pkv_cpu_kernels.inc is compiled once per ISA (pkv_cpu_scalar.c,
+ * pkv_cpu_avx2.c, pkv_cpu_avx512.c, each with its own compiler flags) into
+ * one pkv_cpu_kernels table. pkv_cpu_kernels_get() picks the table once, from
+ * cpuid, or from PAGEDKV_CPU_ISA=scalar|avx2|avx512 when set (a request the
+ * CPU cannot run falls back to the best it can). The op drivers
+ * (pkv_attn_cpu.c, pkv_store_cpu.c) stay ISA-free and call through the table. */
+#ifndef PKV_CPU_H
+#define PKV_CPU_H
+
+#include "pkv_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Keys per K/V tile: a 64-key tile of K (D <= 128, f32) is 32 KiB and stays in
+ * L1/L2 while every query vector of a work item is scored against it. */
+#define PKV_CPU_KEYS_PER_TILE 64
+/* Widest vector in floats; scratch rows are padded to it so every ISA fits. */
+#define PKV_CPU_MAX_LANES 16
+
+PKV_HD int64_t pkv_cpu_pad(int64_t n) { return (n + PKV_CPU_MAX_LANES - 1) / PKV_CPU_MAX_LANES * PKV_CPU_MAX_LANES; }
+
+/* Per-thread attention scratch, allocated once per work range (never in the
+ * hot loop). nq = query vectors of one item (rows x heads per KV head). */
+typedef struct {
+  int64_t nq, d, dv;   /* capacity */
+  float *q;            /* [nq, pad(d)] query vectors, float32, unscaled */
+  uint32_t *qw;        /* [nq, pad(d/2)] the same as bf16 pairs (dot-product path) */
+  uint32_t *kt;        /* [pad(d), KEYS] packed K tile: float32 or bf16 pairs, key index fastest */
+  uint32_t *krow;      /* [KEYS, pad(d)] K rows converted before packing */
+  float *vt;           /* [KEYS, pad(dv)] V tile, float32 */
+  float *s;            /* [nq, KEYS] scores, then probabilities */
+  float *acc;          /* [nq, pad(dv)] unnormalised output */
+  float *m, *l;        /* [nq] running max (natural units) and sum */
+  float *kscale, *vscale;                  /* [KEYS] per-key FP8 scales folded into scores / probabilities */
+  const void **kptr, **vptr;               /* [2, KEYS] row pointers of the current and next tile */
+  const float **ksptr, **vsptr;            /* [2, KEYS] scale rows (FP8) */
+  uint32_t *zero;                          /* [pad(d)] a zero row for padding keys */
+} pkv_cpu_attn_scratch;
+
+typedef struct {
+  const char *name;
+  /* Attention of one plan item over its keys. When write_out, normalises and
+   * writes the item's rows of a->out; otherwise leaves m, l, acc in w for the
+   * split-KV merge. use_dot_bf16: the item may use bf16 dot products (only
+   * passed when the CPU has them and q and K are exact in bf16). */
+  void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, int use_dot_bf16, int write_out,
+                    pkv_cpu_attn_scratch *w);
+  /* Convert n elements src (f32/f16/bf16) into dst of a cache dtype. For FP8,
+   * per group of `group` elements: scale = amax / FP8_MAX (1 when amax == 0),
+   * written to scales[g], and the quantized codes (bit-exact with
+   * pkv_fp8_quantize). */
+  void (*store_vec)(const void *src, pkv_dtype src_dtype, int64_t n, void *dst, pkv_dtype dst_dtype, float *scales,
+                    int64_t group);
+  /* Convert n elements of a cache dtype into dst (f32/f16/bf16); FP8 values are
+   * multiplied by scales[i / group] (bit-exact with the scalar rule). */
+  void (*load_vec)(const void *src, pkv_dtype src_dtype, const float *scales, int64_t group, int64_t n, void *dst,
+                   pkv_dtype dst_dtype);
+} pkv_cpu_kernels;
+
+extern const pkv_cpu_kernels pkv_cpu_kernels_scalar;
+extern const pkv_cpu_kernels pkv_cpu_kernels_avx2;
+extern const pkv_cpu_kernels pkv_cpu_kernels_avx512;
+
+/* The table for this process (chosen once; thread-safe). */
+const pkv_cpu_kernels *pkv_cpu_kernels_get(void);
+/* 1 when the chosen table is AVX-512 and the CPU has AVX512_BF16 dot products. */
+int pkv_cpu_has_dot_bf16(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PKV_CPU_H */

@@ -1,0 +1,87 @@
+/* pagedkv core: pick the CPU kernel table once per process.
+ *
+ * cpuid and XGETBV (the OS must save the wider registers) decide what the CPU
+ * can run; PAGEDKV_CPU_ISA=scalar|avx2|avx512 lowers the choice (tests force
+ * each path this way). Any other value, or none, means the best available. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pkv_cpu.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define PKV_CPU_X86 1
+#endif
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+typedef struct {
+  int isa;
+  int dot_bf16;
+} cpu_choice;
+
+#ifdef PKV_CPU_X86
+static unsigned long long xcr0(void) {
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((unsigned long long)hi << 32) | lo;
+}
+#endif
+
+static cpu_choice detect(void) {
+  cpu_choice c = {ISA_SCALAR, 0};
+#ifdef PKV_CPU_X86
+  unsigned a, b, cx, d;
+  if (!__get_cpuid(1, &a, &b, &cx, &d)) return c;
+  int fma = (cx >> 12) & 1, osxsave = (cx >> 27) & 1, avx = (cx >> 28) & 1, f16c = (cx >> 29) & 1;
+  if (!osxsave || !avx) return c;
+  unsigned long long x = xcr0();
+  if ((x & 0x6) != 0x6) return c; /* SSE + AVX state */
+  if (!__get_cpuid_count(7, 0, &a, &b, &cx, &d)) return c;
+  int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+  if (avx2 && fma && f16c) c.isa = ISA_AVX2;
+  if (c.isa == ISA_AVX2 && avx512f && avx512bw && avx512vl && (x & 0xe6) == 0xe6) {
+    c.isa = ISA_AVX512;
+    unsigned a1 = 0, b1, c1, d1;
+    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) c.dot_bf16 = (a1 >> 5) & 1;
+  }
+  const char *want = getenv("PAGEDKV_CPU_ISA");
+  if (want) {
+    int cap = strcmp(want, "scalar") == 0 ? ISA_SCALAR
+              : strcmp(want, "avx2") == 0 ? ISA_AVX2
+              : strcmp(want, "avx512") == 0 ? ISA_AVX512
+                                            : ISA_AVX512;
+    if (cap < c.isa) c.isa = cap;
+  }
+  if (c.isa != ISA_AVX512) c.dot_bf16 = 0;
+#endif
+  return c;
+}
+
+/* 0: not chosen yet; otherwise 1 + isa + 4 * dot_bf16. Racing threads compute
+ * the same value, so a relaxed store is enough. */
+static int chosen;
+
+static cpu_choice choice(void) {
+  int v = __atomic_load_n(&chosen, __ATOMIC_RELAXED);
+  if (!v) {
+    cpu_choice c = detect();
+    v = 1 + c.isa + 4 * c.dot_bf16;
+    __atomic_store_n(&chosen, v, __ATOMIC_RELAXED);
+  }
+  cpu_choice c = {(v - 1) & 3, (v - 1) >> 2};
+  return c;
+}
+
+const pkv_cpu_kernels *pkv_cpu_kernels_get(void) {
+#ifdef PKV_CPU_X86
+  switch (choice().isa) {
+  case ISA_AVX512: return &pkv_cpu_kernels_avx512;
+  case ISA_AVX2: return &pkv_cpu_kernels_avx2;
+  default: break;
+  }
+#endif
+  return &pkv_cpu_kernels_scalar;
+}
+
+int pkv_cpu_has_dot_bf16(void) { return choice().dot_bf16; }

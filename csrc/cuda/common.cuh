@@ -1,0 +1,188 @@
+// pagedkv CUDA backend: device helpers shared by every kernel (PTX wrappers,
+// warp reductions, 16-bit packing). Never includes torch headers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../core/pkv_numeric.h"
+#include "../core/pkv_view.h"
+#include "pkv_cuda.h"
+
+#if defined(__CUDA_ARCH__)
+#define PKV_ARCH __CUDA_ARCH__
+#else
+#define PKV_ARCH 0
+#endif
+
+namespace pkv {
+
+constexpr int kWarp = 32;
+
+// Launch-error helper for launchers: report the first failure of a sequence.
+#define PKV_CUDA_TRY(expr)                                                                                        \
+  do {                                                                                                            \
+    cudaError_t e_ = (expr);                                                                                      \
+    if (e_ != cudaSuccess) return e_;                                                                             \
+  } while (0)
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- warp reductions ----
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- ragged batch: the row b whose [offsets[b], offsets[b+1]) holds `row` ----
+// Returns -1 when no row holds it (padding rows, or offsets that are not
+// monotone: kernels skip such rows rather than trust the values).
+__device__ __forceinline__ int64_t find_batch_row(const pkv_index_view &offsets, int64_t row) {
+  int64_t batch = offsets.rows - 1;
+  int64_t lo = 0, hi = batch;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) >> 1;
+    if (pkv_index_at(&offsets, mid + 1) <= row)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo >= batch) return -1;
+  if (pkv_index_at(&offsets, lo) > row || pkv_index_at(&offsets, lo + 1) <= row) return -1;
+  return lo;
+}
+
+// ---- cp.async (sm_80+) ----
+// 16-byte copy; src_bytes == 0 zero-fills the destination without reading src.
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, uint32_t src_bytes) {
+#if PKV_ARCH >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if PKV_ARCH >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if PKV_ARCH >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// ---- tensor-core fragments (sm_80+): ldmatrix and mma.sync m16n8k16 ----
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+}
+
+// d += a * b for one 16x8x16 tile, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+#if PKV_ARCH >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if PKV_ARCH >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// ---- 16-bit packing ----
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
+
+// The core's dtype code of the 16-bit type T.
+template <typename T>
+__host__ __device__ constexpr pkv_dtype dtype_of();
+template <>
+constexpr pkv_dtype dtype_of<__nv_bfloat16>() {
+  return PKV_DTYPE_BF16;
+}
+template <>
+constexpr pkv_dtype dtype_of<__half>() {
+  return PKV_DTYPE_F16;
+}
+
+// ---- FP8 -> float, two at a time (byte 0 -> .x) ----
+// e4m3: sign | exponent-mantissa moved into a float16 and rescaled by 2^8
+// (the bias difference 15 - 7). 0x7f/0xff are NaN in e4m3fn.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t two) {
+  uint32_t x = two;
+  uint32_t h = ((x & 0x80u) << 8) | ((x & 0x7fu) << 7) | ((x & 0x8000u) << 16) | ((x & 0x7f00u) << 15);
+  __half2 hv = *reinterpret_cast<__half2 *>(&h);
+  float2 f = __half22float2(hv);
+  f.x *= 256.0f;
+  f.y *= 256.0f;
+  if ((x & 0x7fu) == 0x7fu) f.x = __int_as_float(0x7fc00000);
+  if ((x & 0x7f00u) == 0x7f00u) f.y = __int_as_float(0x7fc00000);
+  return f;
+}
+// e5m2 is float16 with the low mantissa byte dropped.
+__device__ __forceinline__ float2 e5m2x2_to_float2(uint16_t two) {
+  uint32_t x = two;
+  uint32_t h = ((x & 0xffu) << 8) | ((x & 0xff00u) << 16);
+  __half2 hv = *reinterpret_cast<__half2 *>(&h);
+  return __half22float2(hv);
+}
+
+}  // namespace pkv

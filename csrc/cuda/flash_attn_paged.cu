@@ -1,0 +1,795 @@
+// pagedkv CUDA backend: flash_attn_paged (decode, prefill, chunked prefill).
+//
+// One CTA = (tile of packed query rows of one batch row, KV head, KV split).
+// Packed rows are (query row, query head of this KV head) pairs, so all query
+// heads that share a KV head use one K/V tile (GQA): K/V are read once per
+// tile, not once per query head. 4 warps each own 16 packed rows; QK^T and
+// PV use mma.sync m16n8k16 with fp32 accumulators and an online softmax in
+// the log2 domain. K/V tiles are double-buffered; the loader (cp.async,
+// TMA box per page chunk, TMA gather4) only changes how a tile is filled.
+//
+// Decode-like calls with too few tiles to fill the GPU split the keys of each
+// tile over num_splits CTAs; each writes a normalised partial output and its
+// log-sum-exp to scratch, and a combine kernel merges them.
+//
+// Bounds: index values are never trusted. Rows are clamped to [0, T), page
+// ids outside [0, N) and keys past the lookup table are masked (never read),
+// the tail of a row's last page is zeroed in shared memory before PV, so
+// garbage or NaN in unused cache slots never reaches the output.
+#include <math.h>
+
+#include <atomic>
+#include <initializer_list>
+
+#include "tile.cuh"
+
+namespace pkv {
+namespace {
+
+constexpr int kAttnThreads = 128;  // 4 warps x 16 packed query rows
+constexpr int kAttnRowsM = 64;     // packed query rows per CTA
+constexpr int kMaxSplits = 32;     // the combine kernel keeps one split per lane
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int D, bool kFp8>
+struct AttnLayout {
+  static constexpr int kRowsN = attn_tile_keys(D);
+  static constexpr int kEs = kFp8 ? 1 : 2;
+  static constexpr int kDPad = tile_row_bytes(D, 2) / 2;       // 16-bit elements per smem row
+  static constexpr int kRawRowBytes = tile_row_bytes(D, kEs);  // bytes per row as loaded
+  static constexpr int kRawUnits = D * kEs / 16;               // 16-byte units holding data
+  static constexpr int kRawChunks = kRawRowBytes / kChunkBytes;
+  static constexpr int kQBytes = kAttnRowsM * kDPad * 2;
+  static constexpr int kRawTileBytes = kRowsN * kRawRowBytes;
+  static constexpr int kConvTileBytes = kFp8 ? kRowsN * kDPad * 2 : 0;
+  // [Q][stage 0 K, V][stage 1 K, V][converted K, V][3 x tile rows][2 barriers]
+  static constexpr int kRawOffset = kQBytes;
+  static constexpr int kConvOffset = kRawOffset + 4 * kRawTileBytes;
+  static constexpr int kRowsOffset = kConvOffset + 2 * kConvTileBytes;
+  static constexpr int kBarOffset = kRowsOffset + 3 * kRowsN * static_cast<int>(sizeof(TileRows));
+  static constexpr int kBytes = kBarOffset + 16;
+  static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 bytes
+  static_assert(kRowsN % 16 == 0 && D % 16 == 0 && kRawChunks >= 1, "tile shapes");
+};
+
+struct AttnParams {
+  pkv_rows_view q;    // [T, Hq, D]
+  pkv_rows_view out;  // [T, Hq, Dv]
+  pkv_cache_view k, v;              // [N, P, Hk, D]
+  pkv_cache_view k_scales, v_scales;  // f32 [N, P, Hk, ceil(D/G)] (FP8 only)
+  pkv_index_view offsets;  // [B+1]
+  pkv_index_view lengths;  // [B] cache_lengths
+  pkv_index_view table;    // [B, max_pages]
+  int64_t num_rows;        // T
+  int64_t group;           // Hq / Hk
+  int64_t quant_group;
+  int64_t window_left;
+  int64_t rows_per_page;   // stride_page / stride_token (gather4 rows)
+  float score_scale;       // scale * log2(e); scale / softcap with a softcap
+  float softcap_log2;      // softcap * log2(e); 0: no softcap
+  int causal;
+  int num_splits;
+  int e4m3;
+  int q_aligned, out_aligned, kv_aligned;
+  int box_rows;
+  float *partial_out;  // [S, T, Hq, Dv]
+  float *partial_lse;  // [S, T, Hq]
+};
+
+// Rows [start, start + n) of batch row b, clamped to [0, T).
+__device__ __forceinline__ void batch_rows(const AttnParams &p, int64_t b, int64_t *start, int64_t *n) {
+  int64_t s = pkv_index_at(&p.offsets, b), e = pkv_index_at(&p.offsets, b + 1);
+  s = s < 0 ? 0 : (s > p.num_rows ? p.num_rows : s);
+  e = e < s ? s : (e > p.num_rows ? p.num_rows : e);
+  *start = s;
+  *n = e - s;
+}
+
+__device__ __forceinline__ int64_t tiles_of(const AttnParams &p, int64_t b) {
+  int64_t s, n;
+  batch_rows(p, b, &s, &n);
+  return (n * p.group + kAttnRowsM - 1) / kAttnRowsM;
+}
+
+// CTA x handles tile `tile` of batch row `b`: a block-wide scan of the tile
+// counts (every CTA does it; B int32 reads from L2 cost less than a launch).
+__device__ void locate_tile(const AttnParams &p, int64_t x, int64_t *b_out, int64_t *tile_out) {
+  __shared__ int64_t warp_total[kAttnThreads / kWarp];
+  __shared__ int64_t found_b, found_tile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) found_b = -1;
+  const int64_t batch = p.offsets.rows - 1;
+  const int64_t per = (batch + kAttnThreads - 1) / kAttnThreads;
+  const int64_t b0 = threadIdx.x * per, b1 = b0 + per < batch ? b0 + per : batch;
+  int64_t local = 0;
+  for (int64_t b = b0; b < b1; b++) local += tiles_of(p, b);
+  int64_t incl = local;
+#pragma unroll
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == kWarp - 1) warp_total[warp] = incl;
+  __syncthreads();
+  int64_t before = 0;
+  for (int w = 0; w < warp; w++) before += warp_total[w];
+  int64_t acc = before + incl - local;
+  if (x >= acc && x < acc + local) {
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t n = tiles_of(p, b);
+      if (x < acc + n) {
+        found_b = b;
+        found_tile = x - acc;
+        break;
+      }
+      acc += n;
+    }
+  }
+  __syncthreads();
+  *b_out = found_b;
+  *tile_out = found_tile;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T *dst, float x, float y, bool aligned) {
+  if (aligned) {
+    *reinterpret_cast<uint32_t *>(dst) = pack2<T>(x, y);
+  } else {
+    const uint32_t v = pack2<T>(x, y);
+    reinterpret_cast<uint16_t *>(dst)[0] = static_cast<uint16_t>(v & 0xffff);
+    reinterpret_cast<uint16_t *>(dst)[1] = static_cast<uint16_t>(v >> 16);
+  }
+}
+
+// Padding rows [offsets[B], T) output zeros (non-split launches; the combine
+// kernel does it otherwise). Spread over the CTAs of split 0.
+template <typename T>
+__device__ void zero_padding_rows(const AttnParams &p, int64_t kv_head, int dv) {
+  int64_t first = pkv_index_at(&p.offsets, p.offsets.rows - 1);
+  first = first < 0 ? 0 : first;
+  const int64_t heads = p.group;
+  for (int64_t r = first + blockIdx.x; r < p.num_rows; r += gridDim.x)
+    for (int64_t i = threadIdx.x; i < heads * dv; i += kAttnThreads) {
+      const int64_t h = kv_head * p.group + i / dv, c = i % dv;
+      T *dst = static_cast<T *>(p.out.data) + r * p.out.stride_row + h * p.out.stride_head + c;
+      *reinterpret_cast<uint16_t *>(dst) = 0;
+    }
+}
+
+template <int D, typename T, bool kFp8, int kLoader>
+__device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
+                                          uint8_t *smem) {
+  using L = AttnLayout<D, kFp8>;
+  constexpr int BN = L::kRowsN, BM = kAttnRowsM;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t kv_head = blockIdx.y, split = blockIdx.z;
+
+  if (p.num_splits == 1) zero_padding_rows<T>(p, kv_head, D);
+
+  int64_t b, tile;
+  locate_tile(p, blockIdx.x, &b, &tile);
+  if (b < 0) return;  // block-uniform: more CTAs than tiles
+
+  // ---- what this CTA computes ----
+  int64_t row_start, n_new;
+  batch_rows(p, b, &row_start, &n_new);
+  int64_t cached = pkv_cache_length(&p.lengths, b);
+  cached = cached < 0 ? 0 : cached;
+  const int64_t page_size = p.k.page_size;
+  int64_t total = cached + n_new;
+  const int64_t table_keys = p.table.cols * page_size;
+  total = total < table_keys ? total : table_keys;  // keys past the table do not exist
+  const int64_t packed_total = n_new * p.group;
+  const int64_t tile_first = tile * BM;
+  const int tile_rows = static_cast<int>(packed_total - tile_first < BM ? packed_total - tile_first : BM);
+  // keys any row of the tile may see: lo of its first row, hi of its last
+  int64_t lo_tile, hi_tile, unused;
+  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_tile, &unused);
+  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &unused,
+                   &hi_tile);
+  const int64_t kt_begin = lo_tile / BN;
+  const int64_t kt_end = hi_tile > lo_tile ? (hi_tile + BN - 1) / BN : kt_begin;
+  const int64_t per_split = (kt_end - kt_begin + p.num_splits - 1) / p.num_splits;
+  const int64_t my_begin = kt_begin + split * per_split;
+  int64_t my_end = my_begin + per_split;
+  my_end = my_end < kt_end ? my_end : kt_end;
+  const int n_tiles = my_end > my_begin ? static_cast<int>(my_end - my_begin) : 0;
+
+  uint8_t *sq = smem;
+  uint8_t *sraw = smem + L::kRawOffset;  // [stage][K, V]
+  uint8_t *sconv = smem + L::kConvOffset;
+  TileRows *srows = reinterpret_cast<TileRows *>(smem + L::kRowsOffset);  // [3][BN]
+  uint64_t *sbar = reinterpret_cast<uint64_t *>(smem + L::kBarOffset);
+
+  // ---- Q tile -> shared memory (16-bit image, zeros for rows past the tile) ----
+  {
+    constexpr int kUnits = D / 8;
+    const T *qbase = static_cast<const T *>(p.q.data);
+    for (int u = tid; u < BM * kUnits; u += kAttnThreads) {
+      const int r = u / kUnits, j = u - r * kUnits;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < tile_rows) {
+        const int64_t gp = tile_first + r;
+        const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
+        const T *src = qbase + row * p.q.stride_row + head * p.q.stride_head + j * 8;
+        if (p.q_aligned) {
+          v = __ldg(reinterpret_cast<const uint4 *>(src));
+        } else {
+          uint16_t e[8];
+#pragma unroll
+          for (int i = 0; i < 8; i++) e[i] = reinterpret_cast<const uint16_t *>(src)[i];
+          v = *reinterpret_cast<const uint4 *>(e);
+        }
+      }
+      *reinterpret_cast<uint4 *>(sq + tile_unit_offset(r, j, BM)) = v;
+    }
+  }
+
+  // ---- per-thread query rows: r0 = warp*16 + lane/4 and r1 = r0 + 8 ----
+  int64_t lo_r[2], hi_r[2];
+  bool valid_r[2];
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    const int r = warp * 16 + (lane >> 2) + 8 * i;
+    valid_r[i] = r < tile_rows;
+    const int64_t pos = cached + (tile_first + (valid_r[i] ? r : 0)) / p.group;
+    pkv_visible_keys(pos, total, p.causal, p.window_left, &lo_r[i], &hi_r[i]);
+    if (!valid_r[i]) hi_r[i] = lo_r[i];  // sees nothing
+  }
+  const bool warp_active = warp * 16 < tile_rows;
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  const int64_t num_pages = p.k.num_pages;
+  auto fill_rows = [&](int it) -> int {
+    if (tid >= BN) return 0;
+    return fill_tile_row(srows + (it % 3) * BN, tid, (my_begin + it) * BN, total, p.table, b, page_size, num_pages);
+  };
+  auto issue = [&](int it) {
+    uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
+    const TileRows *rows = srows + (it % 3) * BN;
+    if constexpr (kLoader == PKV_LOADER_CP_ASYNC) {
+      load_tile_cp_async<BN, kAttnThreads>(kt, p.k, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
+      load_tile_cp_async<BN, kAttnThreads>(vt, p.v, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
+      cp_async_commit();
+    } else if (tid == 0) {
+      uint64_t *bar = sbar + (it & 1);
+      if constexpr (kLoader == PKV_LOADER_TMA_PAGES) {
+        mbar_arrive_expect_tx(bar, 2 * count_tile_pages<BN>(rows, p.box_rows, L::kRawChunks));
+        issue_tile_pages<BN>(kt, kmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs);
+        issue_tile_pages<BN>(vt, vmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs);
+      } else {
+        mbar_arrive_expect_tx(bar, 2 * count_tile_gather4<BN>(rows, L::kRawChunks));
+        issue_tile_gather4<BN>(kt, kmap, bar, rows, kv_head * p.k.stride_head, p.rows_per_page, L::kRawChunks,
+                               L::kEs);
+        issue_tile_gather4<BN>(vt, vmap, bar, rows, kv_head * p.v.stride_head, p.rows_per_page, L::kRawChunks,
+                               L::kEs);
+      }
+    }
+  };
+
+  if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
+    if (tid == 0) {
+      prefetch_tensor_map(kmap);
+      prefetch_tensor_map(vmap);
+      mbar_init(sbar, 1);
+      mbar_init(sbar + 1, 1);
+      fence_mbar_init();
+    }
+  }
+
+  int masked_next = 0;
+  if (n_tiles > 0) {
+    masked_next = __syncthreads_count(fill_rows(0));
+    issue(0);
+  }
+  for (int it = 0; it < n_tiles; it++) {
+    const int masked_here = masked_next;
+    const bool has_next = it + 1 < n_tiles;
+    // (A): the next tile's rows are published and every thread is done with
+    // the stage, tile rows and converted tiles that the next loads overwrite.
+    masked_next = __syncthreads_count(has_next ? fill_rows(it + 1) : 0);
+    if (has_next) issue(it + 1);
+
+    const TileRows *rows = srows + (it % 3) * BN;
+    uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
+    if constexpr (kLoader == PKV_LOADER_CP_ASYNC) {
+      if (has_next)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
+    } else {
+      mbar_wait(sbar + (it & 1), (it >> 1) & 1);
+    }
+    const uint8_t *ks = kt, *vs = vt;
+    if constexpr (kFp8) {
+      if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
+      convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3);
+      convert_fp8_tile<T, BN, kAttnThreads>(sconv + L::kConvTileBytes, vt, rows, p.v_scales, kv_head, D,
+                                            p.quant_group, p.e4m3);
+      ks = sconv;
+      vs = sconv + L::kConvTileBytes;
+    } else if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
+      if (masked_here > 0) {
+        zero_masked_rows<BN, kAttnThreads>(kt, rows, L::kRawUnits);
+        zero_masked_rows<BN, kAttnThreads>(vt, rows, L::kRawUnits);
+        fence_proxy_async_smem();  // these bytes are TMA-written again two tiles later
+      }
+    }
+    __syncthreads();  // (B): the tile (and Q) is complete for every warp
+
+    if (warp_active) {
+      const int64_t k0 = (my_begin + it) * BN;
+      float s[BN / 8][4];
+#pragma unroll
+      for (int i = 0; i < BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+      // S = Q K^T
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[4];
+        const int m = lane >> 3;
+        ldmatrix_x4(a, sq + tile_elem_offset<2>(warp * 16 + (m & 1) * 8 + (lane & 7), kk * 16 + (m >> 1) * 8, BM));
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, ks + tile_elem_offset<2>(nt * 8 + (m >> 1) * 8 + (lane & 7), kk * 16 + (m & 1) * 8, BN));
+          mma_16816<T>(s[nt], a, bf[0], bf[1]);
+          mma_16816<T>(s[nt + 1], a, bf[2], bf[3]);
+        }
+      }
+      // scale, softcap, mask (log2 domain)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float x = s[nt][e] * p.score_scale;
+          if (p.softcap_log2 > 0.0f) x = tanhf(x) * p.softcap_log2;
+          s[nt][e] = x;
+        }
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        const bool full = k0 >= lo_r[i] && k0 + BN <= hi_r[i] && masked_here == 0;
+        if (full) continue;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const int col = nt * 8 + 2 * (lane & 3) + e;
+            const int64_t key = k0 + col;
+            const bool visible = key >= lo_r[i] && key < hi_r[i] && rows[col].page >= 0;
+            if (!visible) s[nt][2 * i + e] = -INFINITY;
+          }
+      }
+      // online softmax: rows r0 (i = 0) and r1 (i = 1) of this thread
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[i], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row that saw nothing yet
+        const float alpha = exp2f(row_max[i] - m_use);
+        row_max[i] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++) {
+          s[nt][2 * i] = exp2f(s[nt][2 * i] - m_use);
+          s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - m_use);
+          sum += s[nt][2 * i] + s[nt][2 * i + 1];
+        }
+        row_sum[i] = row_sum[i] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+          o[dt][2 * i] *= alpha;
+          o[dt][2 * i + 1] *= alpha;
+        }
+      }
+      // O += P V (P reused from the S accumulators as the A operand)
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; kk++) {
+        uint32_t a[4];
+        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        const int m = lane >> 3;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, vs + tile_elem_offset<2>(kk * 16 + (m & 1) * 8 + (lane & 7), dt * 8 + (m >> 1) * 8, BN));
+          mma_16816<T>(o[dt], a, bf[0], bf[1]);
+          mma_16816<T>(o[dt + 1], a, bf[2], bf[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise and write (or write the split's partial) ----
+  if (!warp_active) return;
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    float l = row_sum[i];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (!valid_r[i]) continue;
+    const int r = warp * 16 + (lane >> 2) + 8 * i;
+    const int64_t gp = tile_first + r;
+    const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    if (p.num_splits == 1) {
+      T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt++)
+        store_pair<T>(dst + dt * 8 + 2 * (lane & 3), o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv, p.out_aligned);
+    } else {
+      const int64_t hq = p.q.num_heads;
+      const int64_t idx = (split * p.num_rows + row) * hq + head;
+      float *dst = p.partial_out + idx * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt++)
+        *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * (lane & 3)) =
+            make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
+      if ((lane & 3) == 0) p.partial_lse[idx] = l > 0.0f ? row_max[i] + log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// Which loaders a target really compiles: anything else is a trapping stub,
+// and the host never launches it (pkv_cuda_loader_available checks the PTX
+// version the device's binary was built from).
+template <int kLoader>
+__device__ constexpr bool loader_compiled() {
+#if defined(__CUDA_ARCH__)
+  return kLoader == PKV_LOADER_CP_ASYNC   ? __CUDA_ARCH__ >= 800
+         : kLoader == PKV_LOADER_TMA_PAGES ? (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000)
+                                           : __CUDA_ARCH__ >= 1000;
+#else
+  return false;
+#endif
+}
+
+template <int D, typename T, bool kFp8, int kLoader>
+__global__ void __launch_bounds__(kAttnThreads)
+    attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
+                const __grid_constant__ CUtensorMap vmap) {
+  if constexpr (loader_compiled<kLoader>()) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    attn_body<D, T, kFp8, kLoader>(p, &kmap, &vmap, smem);
+  } else {
+    __trap();
+  }
+}
+
+// Merge the splits of one (row, query head) per warp:
+// out = sum_s 2^(lse_s - L) o_s with L = log2 sum_s 2^lse_s.
+template <typename T>
+__global__ void __launch_bounds__(128) attn_combine_kernel(const __grid_constant__ AttnParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t hq = p.q.num_heads, dv = p.v.head_dim;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (item >= p.num_rows * hq) return;
+  const int64_t row = item / hq, head = item % hq;
+  T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
+  const bool real = find_batch_row(p.offsets, row) >= 0;
+  float lse = -INFINITY;
+  if (real && lane < p.num_splits) lse = p.partial_lse[(lane * p.num_rows + row) * hq + head];
+  const float mx = warp_max(lse);
+  const float w = mx == -INFINITY ? 0.0f : exp2f(lse - mx);
+  const float total = warp_sum(w);
+  const float norm = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t c = lane; c < dv; c += kWarp) {
+    float acc = 0.0f;
+    for (int s = 0; s < p.num_splits; s++) {
+      const float ws = __shfl_sync(0xffffffffu, w, s);
+      if (ws > 0.0f) acc += ws * p.partial_out[((s * p.num_rows + row) * hq + head) * dv + c];
+    }
+    const float v = acc * norm;
+    if (dtype_of<T>() == PKV_DTYPE_BF16)
+      reinterpret_cast<uint16_t *>(dst)[c] = pkv_f32_to_bf16(v);
+    else
+      reinterpret_cast<uint16_t *>(dst)[c] = pkv_f32_to_f16(v);
+  }
+}
+
+// ---------------------------------------------------------------- host side
+
+template <int D, typename T, bool kFp8, int kLoader>
+cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
+                        cudaStream_t stream) {
+  using L = AttnLayout<D, kFp8>;
+  auto kernel = attn_kernel<D, T, kFp8, kLoader>;
+  // The shared-memory opt-in is per function and device: set once per device
+  // (the first, eager call; a captured graph's launches then need nothing).
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes));
+    configured.fetch_or(bit);
+  }
+  kernel<<<grid, kAttnThreads, L::kAllocBytes, stream>>>(p, kmap, vmap);
+  PKV_CUDA_TRY(cudaGetLastError());
+  if (p.num_splits > 1) {
+    const int64_t items = p.num_rows * p.q.num_heads;
+    const unsigned blocks = static_cast<unsigned>((items + 3) / 4);
+    if (blocks > 0) attn_combine_kernel<T><<<blocks, 128, 0, stream>>>(p);
+    PKV_CUDA_TRY(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+template <int D, typename T, bool kFp8>
+cudaError_t dispatch_loader(const AttnParams &p, pkv_loader loader, const CUtensorMap &kmap,
+                            const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return launch_attn<D, T, kFp8, PKV_LOADER_CP_ASYNC>(p, kmap, vmap, grid, stream);
+  case PKV_LOADER_TMA_PAGES: return launch_attn<D, T, kFp8, PKV_LOADER_TMA_PAGES>(p, kmap, vmap, grid, stream);
+  case PKV_LOADER_TMA_GATHER4: return launch_attn<D, T, kFp8, PKV_LOADER_TMA_GATHER4>(p, kmap, vmap, grid, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, bool kFp8>
+cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
+                              const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  switch (d) {
+  case 64: return dispatch_loader<64, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  case 96: return dispatch_loader<96, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  case 128: return dispatch_loader<128, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  case 256: return dispatch_loader<256, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+bool aligned16(const void *ptr, int64_t es, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  for (int64_t s : strides)
+    if ((s * es) % 16 != 0) return false;
+  return true;
+}
+
+int64_t tile_keys_for(int64_t d) { return attn_tile_keys(static_cast<int>(d)); }
+
+// Rows per TMA box for the page loader, or 0 when the page size does not fit.
+int box_rows_for(int64_t page_size, int64_t tile_keys) {
+  int64_t sub = 0;
+  if (page_size % tile_keys == 0)
+    sub = tile_keys;
+  else if (tile_keys % page_size == 0)
+    sub = page_size;
+  if (sub < kMinTmaBoxRows || sub % 8 != 0) return 0;
+  return static_cast<int>(sub);
+}
+
+bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return true;
+  case PKV_LOADER_TMA_PAGES:
+    return tma_view_ok(k) && tma_view_ok(v) && box_rows_for(k.page_size, tile_keys_for(k.head_dim)) > 0;
+  case PKV_LOADER_TMA_GATHER4:
+    return tma_rows_ok(k) && tma_rows_ok(v) && k.stride_page / k.stride_token == v.stride_page / v.stride_token;
+  default: return false;
+  }
+}
+
+cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v, CUtensorMap *kmap,
+                        CUtensorMap *vmap) {
+  if (loader == PKV_LOADER_TMA_PAGES) {
+    const int rows = box_rows_for(k.page_size, tile_keys_for(k.head_dim));
+    PKV_CUDA_TRY(tma_map_pages(kmap, k, rows));
+    return tma_map_pages(vmap, v, rows);
+  }
+  if (loader == PKV_LOADER_TMA_GATHER4) {
+    PKV_CUDA_TRY(tma_map_rows(kmap, k));
+    return tma_map_rows(vmap, v);
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+// Kernels probed for "was this loader compiled for the device": the bf16,
+// D = 128 instantiation stands for all (same #if guards).
+int loader_kernel_ptx_version(pkv_loader loader) {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC:
+    e = cudaFuncGetAttributes(&attr, attn_kernel<128, __nv_bfloat16, false, PKV_LOADER_CP_ASYNC>);
+    break;
+  case PKV_LOADER_TMA_PAGES:
+    e = cudaFuncGetAttributes(&attr, attn_kernel<128, __nv_bfloat16, false, PKV_LOADER_TMA_PAGES>);
+    break;
+  case PKV_LOADER_TMA_GATHER4:
+    e = cudaFuncGetAttributes(&attr, attn_kernel<128, __nv_bfloat16, false, PKV_LOADER_TMA_GATHER4>);
+    break;
+  default: break;
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return attr.ptxVersion;
+}
+
+}  // namespace pkv
+
+extern "C" {
+
+const char *pkv_loader_name(pkv_loader loader) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return "cp.async";
+  case PKV_LOADER_TMA_PAGES: return "tma-pages";
+  case PKV_LOADER_TMA_GATHER4: return "tma-gather4";
+  default: return "unknown";
+  }
+}
+
+int pkv_cuda_loader_available(int device, pkv_loader loader) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  if (previous != device) cudaSetDevice(device);
+  const int ptx = pkv::loader_kernel_ptx_version(loader);
+  if (previous != device) cudaSetDevice(previous);
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return major >= 8 && ptx >= 80;
+  case PKV_LOADER_TMA_PAGES: return major == 9 && ptx >= 90 && ptx < 100;
+  case PKV_LOADER_TMA_GATHER4: return major == 10 && ptx >= 100;
+  default: return 0;
+  }
+}
+
+pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
+                                   pkv_error *err) {
+  const char *op = "flash_attn_paged";
+  const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
+  if (qd != PKV_DTYPE_BF16 && qd != PKV_DTYPE_F16)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: q dtype %s is not supported on CUDA (use float16 or bfloat16)", op,
+                    pkv_dtype_name(qd));
+  if (kd != vd)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: k_cache (%s) and v_cache (%s) of different dtypes are not supported on CUDA", op,
+                    pkv_dtype_name(kd), pkv_dtype_name(vd));
+  if (!pkv_dtype_is_fp8(kd) && kd != qd)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: a %s cache with %s queries is not supported on CUDA (the cache must have q's dtype or be "
+                    "float8_e4m3fn/float8_e5m2)",
+                    op, pkv_dtype_name(kd), pkv_dtype_name(qd));
+  const int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3];
+  if (d != dv)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: D = %lld != Dv = %lld is not supported on CUDA", op, (long long)d,
+                    (long long)dv);
+  if (d != 64 && d != 96 && d != 128 && d != 256)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: head size %lld is not supported on CUDA (64, 96, 128 or 256)", op,
+                    (long long)d);
+  if (a->q.sizes[0] > (int64_t(1) << 31) / 2)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: more than 2^30 query rows are not supported on CUDA", op);
+
+  pkv_cache_view k = pkv_cache_view_from(&a->k_cache), v = pkv_cache_view_from(&a->v_cache);
+  int major = 0, sms = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: cannot query CUDA device %d", op, device);
+  }
+  if (major < 8)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
+                    op, major);
+
+  pkv_loader loader = PKV_LOADER_CP_ASYNC;
+  CUtensorMap kmap, vmap;
+  if (force_loader >= 0) {
+    loader = static_cast<pkv_loader>(force_loader);
+    if (force_loader >= PKV_LOADER_COUNT || !pkv_cuda_loader_available(device, loader))
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s is not available on CUDA device %d", op,
+                      pkv_loader_name(loader), device);
+    if (!pkv::loader_fits(loader, k, v) || pkv::encode_maps(loader, k, v, &kmap, &vmap) != cudaSuccess)
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this cache view on CUDA", op,
+                      pkv_loader_name(loader));
+  } else {
+    const pkv_loader order[2] = {PKV_LOADER_TMA_GATHER4, PKV_LOADER_TMA_PAGES};
+    for (pkv_loader l : order)
+      if (pkv_cuda_loader_available(device, l) && pkv::loader_fits(l, k, v) &&
+          pkv::encode_maps(l, k, v, &kmap, &vmap) == cudaSuccess) {
+        loader = l;
+        break;
+      }
+  }
+
+  // Split-KV only when (estimated) tiles x KV heads leave SMs idle. Estimated
+  // from shapes: index values live on the device and are never read here.
+  const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
+  const int64_t batch = a->cache_lengths.sizes[0], group = hq / hk;
+  int64_t tiles = (t * group + pkv::kAttnRowsM - 1) / pkv::kAttnRowsM;
+  tiles = tiles > batch ? tiles : batch;
+  const int64_t ctas = (tiles > 0 ? tiles : 1) * hk;
+  const int64_t max_key_tiles =
+      (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
+  int64_t splits = 1;
+  if (ctas < sms) {
+    splits = (2 * (int64_t)sms + ctas - 1) / ctas;
+    if (splits > max_key_tiles) splits = max_key_tiles;
+    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
+    if (splits < 1) splits = 1;
+  }
+  plan->device = device;
+  plan->num_sms = sms;
+  plan->loader = loader;
+  plan->num_splits = static_cast<int>(splits);
+  plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
+  plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+  return PKV_OK;
+}
+
+cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
+                          float *partial_lse, cudaStream_t stream) {
+  using namespace pkv;
+  AttnParams p{};
+  p.q = pkv_rows_view_from(&a->q);
+  p.out = pkv_rows_view_from(&a->out);
+  p.k = pkv_cache_view_from(&a->k_cache);
+  p.v = pkv_cache_view_from(&a->v_cache);
+  if (a->k_scales.defined) p.k_scales = pkv_cache_view_from(&a->k_scales);
+  if (a->v_scales.defined) p.v_scales = pkv_cache_view_from(&a->v_scales);
+  p.offsets = pkv_index_view_from(&a->input_row_offsets);
+  p.lengths = pkv_index_view_from(&a->cache_lengths);
+  p.table = pkv_index_view_from(&a->lookup_table);
+  p.num_rows = a->q.sizes[0];
+  p.group = a->q.sizes[1] / a->k_cache.sizes[2];
+  p.quant_group = a->quant_group;
+  p.window_left = a->window_left;
+  p.rows_per_page = p.k.stride_token != 0 ? p.k.stride_page / p.k.stride_token : 0;
+  if (a->softcap > 0.0) {
+    p.score_scale = static_cast<float>(a->scale / a->softcap);
+    p.softcap_log2 = static_cast<float>(a->softcap) * kLog2e;
+  } else {
+    p.score_scale = static_cast<float>(a->scale) * kLog2e;
+    p.softcap_log2 = 0.0f;
+  }
+  p.causal = a->causal;
+  p.num_splits = plan->num_splits;
+  p.e4m3 = a->k_cache.dtype == PKV_DTYPE_FP8_E4M3;
+  const int64_t kv_es = pkv_dtype_is_fp8(a->k_cache.dtype) ? 1 : 2;
+  p.q_aligned = aligned16(p.q.data, 2, {p.q.stride_row, p.q.stride_head});
+  p.out_aligned = reinterpret_cast<uintptr_t>(p.out.data) % 4 == 0 && p.out.stride_row % 2 == 0 &&
+                  p.out.stride_head % 2 == 0;
+  p.kv_aligned = aligned16(p.k.data, kv_es, {p.k.stride_page, p.k.stride_token, p.k.stride_head}) &&
+                 aligned16(p.v.data, kv_es, {p.v.stride_page, p.v.stride_token, p.v.stride_head});
+  p.box_rows = box_rows_for(p.k.page_size, tile_keys_for(p.k.head_dim));
+  p.partial_out = partial_out;
+  p.partial_lse = partial_lse;
+  if (p.num_rows == 0) return cudaSuccess;
+  if (plan->num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
+
+  CUtensorMap kmap{}, vmap{};
+  PKV_CUDA_TRY(encode_maps(plan->loader, p.k, p.v, &kmap, &vmap));
+
+  const int64_t batch = p.lengths.rows;
+  const int64_t tiles_upper = (p.num_rows * p.group + kAttnRowsM - 1) / kAttnRowsM + batch;
+  if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
+            static_cast<unsigned>(plan->num_splits));
+  const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
+  const int64_t d = p.k.head_dim;
+  if (a->q.dtype == PKV_DTYPE_BF16)
+    return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_head_dim<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+  return fp8 ? dispatch_head_dim<__half, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+             : dispatch_head_dim<__half, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+}
+
+}  // extern "C"

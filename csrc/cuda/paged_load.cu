@@ -1,0 +1,188 @@
+// pagedkv CUDA backend: paged_load. Gathers tokens [0, seq_lens[b]) of every
+// row into the contiguous ragged output, dequantizing FP8 with the
+// (token, head, group) scales. One warp per (output row, KV head), 16-byte
+// vector loads and stores when the views allow.
+//
+// Bounds: output rows that no [offsets[b], offsets[b] + seq_lens[b]) covers
+// are left untouched (as on the CPU); tokens past the lookup table and page
+// ids outside [0, N) are skipped, never read.
+#include <initializer_list>
+
+#include "common.cuh"
+
+namespace pkv {
+namespace {
+
+constexpr int kLoadThreads = 128;  // 4 warps
+
+struct LoadParams {
+  pkv_cache_view cache;    // [N, P, Hk, D]
+  pkv_cache_view scales;   // f32 [N, P, Hk, ceil(D/G)] (FP8)
+  pkv_rows_view out;       // [T_out, Hk, D]
+  pkv_index_view offsets;  // [B+1] output_row_offsets
+  pkv_index_view lengths;  // [B] seq_lens
+  pkv_index_view table;    // [B, max_pages]
+  int64_t group;
+};
+
+// 8 cache elements as floats (unscaled), starting at element i.
+template <pkv_dtype kSrc>
+__device__ __forceinline__ void load8(const void *base, int64_t i, float (&v)[8]) {
+  if constexpr (kSrc == PKV_DTYPE_F32) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i));
+    const float4 b = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i + 4));
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if constexpr (kSrc == PKV_DTYPE_BF16 || kSrc == PKV_DTYPE_F16) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i));
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffff), hi = static_cast<uint16_t>(w[k] >> 16);
+      v[2 * k] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(lo) : pkv_f16_to_f32(lo);
+      v[2 * k + 1] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(hi) : pkv_f16_to_f32(hi);
+    }
+  } else {
+    const uint2 a = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint8_t *>(base) + i));
+    const uint32_t w[2] = {a.x, a.y};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const uint8_t c = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+      v[k] = kSrc == PKV_DTYPE_FP8_E4M3 ? pkv_e4m3_to_f32(c) : pkv_e5m2_to_f32(c);
+    }
+  }
+}
+
+template <pkv_dtype kDst>
+__device__ __forceinline__ void store8(void *base, int64_t i, const float (&v)[8]) {
+  if constexpr (kDst == PKV_DTYPE_F32) {
+    float *d = static_cast<float *>(base) + i;
+    reinterpret_cast<float4 *>(d)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4 *>(d)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k]) : pkv_f32_to_f16(v[2 * k]);
+      const uint16_t hi = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k + 1]) : pkv_f32_to_f16(v[2 * k + 1]);
+      w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
+__global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constant__ LoadParams p) {
+#if PKV_ARCH >= 800
+  constexpr bool kFp8 = kSrc == PKV_DTYPE_FP8_E4M3 || kSrc == PKV_DTYPE_FP8_E5M2;
+  const int lane = threadIdx.x & 31, warps = kLoadThreads / kWarp;
+  const int64_t heads = p.cache.num_heads, d = p.cache.head_dim, page_size = p.cache.page_size;
+  const int64_t units = p.out.num_rows * heads;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); u < units;
+       u += static_cast<int64_t>(gridDim.x) * warps) {
+    const int64_t row = u / heads, head = u % heads;
+    // the batch row whose output block [offsets[b], offsets[b+1]) holds `row`
+    const int64_t b = find_batch_row(p.offsets, row);
+    if (b < 0) continue;
+    const int64_t t = row - pkv_index_at(&p.offsets, b);
+    if (t >= pkv_index_at(&p.lengths, b) || t / page_size >= p.table.cols) continue;
+    const int64_t page = pkv_page_of(&p.table, b, t, page_size);
+    if (page < 0 || page >= p.cache.num_pages) continue;
+    const int64_t slot = t % page_size;
+    const int64_t src = pkv_cache_offset(&p.cache, page, slot, head);
+    const int64_t dst = row * p.out.stride_row + head * p.out.stride_head;
+    const float *scales = kFp8 ? static_cast<const float *>(p.scales.data) + pkv_cache_offset(&p.scales, page, slot, head)
+                               : nullptr;
+    if constexpr (kVec) {
+      for (int64_t c = lane * 8; c < d; c += 32 * 8) {
+        float v[8];
+        load8<kSrc>(p.cache.data, src + c, v);
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int k = 0; k < 8; k++) v[k] *= __ldg(scales + (c + k) / p.group);
+        }
+        store8<kDst>(p.out.data, dst + c, v);
+      }
+    } else {
+      for (int64_t i = lane; i < d; i += 32) {
+        float v = pkv_load_f32(p.cache.data, src + i, kSrc);
+        if constexpr (kFp8) v *= __ldg(scales + i / p.group);
+        pkv_store_f32(p.out.data, dst + i, kDst, v);
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst>
+cudaError_t launch_load(const LoadParams &p, bool vec, cudaStream_t stream) {
+  const int64_t units = p.out.num_rows * p.cache.num_heads;
+  if (units == 0) return cudaSuccess;
+  const int64_t warps = kLoadThreads / kWarp;
+  int64_t blocks = (units + warps - 1) / warps;
+  blocks = blocks < 65535 * 8 ? blocks : 65535 * 8;
+  if (vec)
+    load_kernel<kSrc, kDst, true><<<static_cast<unsigned>(blocks), kLoadThreads, 0, stream>>>(p);
+  else
+    load_kernel<kSrc, kDst, false><<<static_cast<unsigned>(blocks), kLoadThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <pkv_dtype kSrc>
+cudaError_t dispatch_out(const LoadParams &p, bool vec, cudaStream_t stream) {
+  switch (p.out.dtype) {
+  case PKV_DTYPE_F32: return launch_load<kSrc, PKV_DTYPE_F32>(p, vec, stream);
+  case PKV_DTYPE_F16: return launch_load<kSrc, PKV_DTYPE_F16>(p, vec, stream);
+  case PKV_DTYPE_BF16: return launch_load<kSrc, PKV_DTYPE_BF16>(p, vec, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+bool aligned(const void *ptr, int64_t bytes, int64_t es, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(ptr) % bytes != 0) return false;
+  for (int64_t s : strides)
+    if ((s * es) % bytes != 0) return false;
+  return true;
+}
+
+}  // namespace
+}  // namespace pkv
+
+extern "C" {
+
+pkv_status pkv_cuda_load_supported(const pkv_load_args *a, pkv_error *err) {
+  (void)a;
+  (void)err;
+  return PKV_OK;
+}
+
+cudaError_t pkv_cuda_load(const pkv_load_args *a, cudaStream_t stream) {
+  using namespace pkv;
+  LoadParams p{};
+  p.cache = pkv_cache_view_from(&a->cache);
+  if (a->scales.defined) p.scales = pkv_cache_view_from(&a->scales);
+  p.out = pkv_rows_view_from(&a->out);
+  p.offsets = pkv_index_view_from(&a->output_row_offsets);
+  p.lengths = pkv_index_view_from(&a->seq_lens);
+  p.table = pkv_index_view_from(&a->lookup_table);
+  p.group = a->quant_group;
+  if (p.lengths.rows == 0) return cudaSuccess;
+  const int64_t ces = static_cast<int64_t>(pkv_dtype_size(p.cache.dtype));
+  const int64_t oes = static_cast<int64_t>(pkv_dtype_size(p.out.dtype));
+  // a group of 8 elements: 8 * es bytes, loaded/stored as 8- or 16-byte vectors
+  const bool vec = p.cache.head_dim % 8 == 0 &&
+                   aligned(p.cache.data, 8 * ces < 16 ? 8 * ces : 16, ces,
+                           {p.cache.stride_page, p.cache.stride_token, p.cache.stride_head}) &&
+                   aligned(p.out.data, 16, oes, {p.out.stride_row, p.out.stride_head});
+  switch (p.cache.dtype) {
+  case PKV_DTYPE_F32: return dispatch_out<PKV_DTYPE_F32>(p, vec, stream);
+  case PKV_DTYPE_F16: return dispatch_out<PKV_DTYPE_F16>(p, vec, stream);
+  case PKV_DTYPE_BF16: return dispatch_out<PKV_DTYPE_BF16>(p, vec, stream);
+  case PKV_DTYPE_FP8_E4M3: return dispatch_out<PKV_DTYPE_FP8_E4M3>(p, vec, stream);
+  case PKV_DTYPE_FP8_E5M2: return dispatch_out<PKV_DTYPE_FP8_E5M2>(p, vec, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,290 @@
+// pagedkv CUDA backend: paged_store. One launch for the whole ragged batch:
+// one warp per (K or V, token row, KV head) writes that head vector into its
+// page slot, converting to the cache dtype, or quantizing to FP8 with the
+// (token, head, group) amax scale fused in (warp reductions, scale, cast,
+// scale write). Conversions are the core's bit-exact functions, so CUDA and
+// CPU caches hold identical bytes.
+//
+// Bounds: every index value is checked on the device (host checks are
+// optional on CUDA): rows outside every [offsets[b], offsets[b+1]), negative
+// positions, positions past the lookup table and page ids outside [0, N) are
+// skipped, never written.
+#include "common.cuh"
+
+namespace pkv {
+namespace {
+
+constexpr int kStoreThreads = 128;    // 4 warps, one (job, row, head) unit each
+constexpr int kStoreMaxChunks = 128;  // vector FP8 path: per-warp chunk maxima in smem (D <= 2048)
+
+struct StoreJob {
+  pkv_rows_view src;      // [T, Hk, D] key or value
+  pkv_cache_view cache;   // [N, P, Hk, D]
+  pkv_cache_view scales;  // f32 [N, P, Hk, ceil(D/G)], FP8 caches only
+};
+
+struct StoreParams {
+  StoreJob job[2];  // K, and V when it has the same dtypes
+  int num_jobs;
+  pkv_index_view offsets;  // [B+1]
+  pkv_index_view lengths;  // [B]
+  pkv_index_view table;    // [B, max_pages]
+  int64_t num_rows;        // T = key.size(0)
+  int64_t group;           // quant_group
+};
+
+// Element offset of the destination head vector, or -1 when skipped.
+__device__ __forceinline__ int64_t store_target(const StoreParams &p, const pkv_cache_view &c, int64_t row,
+                                                int64_t head, int64_t *page_out, int64_t *slot_out) {
+  const int64_t b = find_batch_row(p.offsets, row);
+  if (b < 0) return -1;
+  const int64_t pos = pkv_cache_length(&p.lengths, b) + (row - pkv_index_at(&p.offsets, b));
+  if (pos < 0 || pos / c.page_size >= p.table.cols) return -1;
+  const int64_t page = pkv_page_of(&p.table, b, pos, c.page_size);
+  if (page < 0 || page >= c.num_pages) return -1;
+  *page_out = page;
+  *slot_out = pos % c.page_size;
+  return pkv_cache_offset(&c, page, *slot_out, head);
+}
+
+// 8 source elements starting at element `i` (16-byte aligned when vectorised).
+template <pkv_dtype kSrc>
+__device__ __forceinline__ void load8(const void *base, int64_t i, float (&v)[8]) {
+  if constexpr (kSrc == PKV_DTYPE_F32) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const float *>(base) + i));
+    const uint4 b = __ldg(reinterpret_cast<const uint4 *>(static_cast<const float *>(base) + i + 4));
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = __uint_as_float(w[k]);
+  } else {
+    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i));
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffff), hi = static_cast<uint16_t>(w[k] >> 16);
+      v[2 * k] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(lo) : pkv_f16_to_f32(lo);
+      v[2 * k + 1] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(hi) : pkv_f16_to_f32(hi);
+    }
+  }
+}
+
+// 8 float-cache elements at element `i` (f32: two 16-byte stores; 16-bit: one).
+template <pkv_dtype kDst>
+__device__ __forceinline__ void store8(void *base, int64_t i, const float (&v)[8]) {
+  if constexpr (kDst == PKV_DTYPE_F32) {
+    float *d = static_cast<float *>(base) + i;
+    reinterpret_cast<float4 *>(d)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4 *>(d)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k]) : pkv_f32_to_f16(v[2 * k]);
+      const uint16_t hi = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k + 1]) : pkv_f32_to_f16(v[2 * k + 1]);
+      w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// |x| as ordered bits: max over them propagates NaN (as torch's amax does).
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
+__device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t row, int64_t head,
+                           uint32_t *chunk_max) {
+  const int lane = threadIdx.x & 31;
+  int64_t page, slot;
+  const int64_t dst = store_target(p, job.cache, row, head, &page, &slot);
+  if (dst < 0) return;
+  const int64_t src = row * job.src.stride_row + head * job.src.stride_head;
+  const int64_t d = job.cache.head_dim;
+  constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
+
+  if constexpr (!kFp8) {
+    if constexpr (kVec) {
+      for (int64_t c = lane * 8; c < d; c += 32 * 8) {
+        float v[8];
+        load8<kSrc>(job.src.data, src + c, v);
+        store8<kDst>(job.cache.data, dst + c, v);
+      }
+    } else {
+      for (int64_t i = lane; i < d; i += 32)
+        pkv_store_f32(job.cache.data, dst + i, kDst, pkv_load_f32(job.src.data, src + i, kSrc));
+    }
+    return;
+  } else {
+    uint8_t *q = static_cast<uint8_t *>(job.cache.data) + dst;
+    float *scales = static_cast<float *>(job.scales.data) + pkv_cache_offset(&job.scales, page, slot, head);
+    const int64_t g = p.group;
+    if constexpr (kVec) {
+      // Chunks of 16 elements; the host guarantees G % 16 == 0 or G >= D, so
+      // a chunk never straddles two groups.
+      const int64_t chunks = d / 16, chunks_per_group = g >= d ? chunks : g / 16;
+      for (int64_t c = lane; c < chunks; c += 32) {
+        float v[8], w[8];
+        load8<kSrc>(job.src.data, src + c * 16, v);
+        load8<kSrc>(job.src.data, src + c * 16 + 8, w);
+        uint32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) m = max(m, max(abs_bits(v[k]), abs_bits(w[k])));
+        chunk_max[c] = m;
+      }
+      __syncwarp();
+      for (int64_t c = lane; c < chunks; c += 32) {
+        const int64_t first = c / chunks_per_group * chunks_per_group;
+        uint32_t m = 0;
+        for (int64_t k = first; k < first + chunks_per_group && k < chunks; k++) m = max(m, chunk_max[k]);
+        const float scale = pkv_fp8_scale_for(__uint_as_float(m), kDst);
+        float v[8], w[8];
+        load8<kSrc>(job.src.data, src + c * 16, v);
+        load8<kSrc>(job.src.data, src + c * 16 + 8, w);
+        uint8_t out[16];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          out[k] = pkv_fp8_quantize(v[k], scale, kDst);
+          out[k + 8] = pkv_fp8_quantize(w[k], scale, kDst);
+        }
+        *reinterpret_cast<uint4 *>(q + c * 16) = *reinterpret_cast<const uint4 *>(out);
+        if (c == first) scales[c * 16 / (g >= d ? d : g)] = scale;
+      }
+      __syncwarp();  // chunk_max is reused by this warp's next unit
+    } else {
+      // Any group size and alignment: groups one after another, each reduced
+      // by the whole warp.
+      for (int64_t g0 = 0, gi = 0; g0 < d; g0 += g, gi++) {
+        const int64_t g1 = g0 + g < d ? g0 + g : d;
+        uint32_t m = 0;
+        for (int64_t i = g0 + lane; i < g1; i += 32) m = max(m, abs_bits(pkv_load_f32(job.src.data, src + i, kSrc)));
+        m = warp_max_u32(m);
+        const float scale = pkv_fp8_scale_for(__uint_as_float(m), kDst);
+        for (int64_t i = g0 + lane; i < g1; i += 32)
+          q[i] = pkv_fp8_quantize(pkv_load_f32(job.src.data, src + i, kSrc), scale, kDst);
+        if (lane == 0) scales[gi] = scale;
+      }
+    }
+  }
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
+__global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_constant__ StoreParams p) {
+#if PKV_ARCH >= 800
+  __shared__ uint32_t chunk_max[kStoreThreads / kWarp][kStoreMaxChunks];
+  const int warp = threadIdx.x >> 5;
+  const int64_t heads = p.job[0].cache.num_heads;
+  const int64_t per_job = p.num_rows * heads, units = per_job * p.num_jobs;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
+       u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
+    const int j = static_cast<int>(u / per_job);
+    const int64_t r = u % per_job;
+    store_unit<kSrc, kDst, kVec>(p, p.job[j], r / heads, r % heads, chunk_max[warp]);
+  }
+#else
+  __trap();
+#endif
+}
+
+bool aligned_view(const void *ptr, int64_t es, int64_t a, int64_t b, int64_t c) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (a * es) % 16 == 0 && (b * es) % 16 == 0 &&
+         (c * es) % 16 == 0;
+}
+
+// 16-byte vector loads and stores for this job?
+bool job_vectorizable(const StoreJob &j, int64_t group) {
+  const int64_t d = j.cache.head_dim;
+  const int64_t ses = static_cast<int64_t>(pkv_dtype_size(j.src.dtype));
+  const int64_t des = static_cast<int64_t>(pkv_dtype_size(j.cache.dtype));
+  if (!aligned_view(j.src.data, ses, j.src.stride_row, j.src.stride_head, 0)) return false;
+  if (!aligned_view(j.cache.data, des, j.cache.stride_page, j.cache.stride_token, j.cache.stride_head)) return false;
+  if (pkv_dtype_is_fp8(j.cache.dtype))
+    return d % 16 == 0 && d / 16 <= kStoreMaxChunks && (group >= d || group % 16 == 0);
+  return d % 8 == 0;
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst>
+cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
+  const int64_t units = p.num_rows * p.job[0].cache.num_heads * p.num_jobs;
+  if (units == 0) return cudaSuccess;
+  const int64_t warps = kStoreThreads / kWarp;
+  int64_t blocks = (units + warps - 1) / warps;
+  blocks = blocks < 65535 * 8 ? blocks : 65535 * 8;  // grid-stride beyond that
+  if (vec)
+    store_kernel<kSrc, kDst, true><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+  else
+    store_kernel<kSrc, kDst, false><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <pkv_dtype kSrc>
+cudaError_t dispatch_dst(const StoreParams &p, pkv_dtype dst, bool vec, cudaStream_t stream) {
+  switch (dst) {
+  case PKV_DTYPE_F32: return launch_store<kSrc, PKV_DTYPE_F32>(p, vec, stream);
+  case PKV_DTYPE_F16: return launch_store<kSrc, PKV_DTYPE_F16>(p, vec, stream);
+  case PKV_DTYPE_BF16: return launch_store<kSrc, PKV_DTYPE_BF16>(p, vec, stream);
+  case PKV_DTYPE_FP8_E4M3: return launch_store<kSrc, PKV_DTYPE_FP8_E4M3>(p, vec, stream);
+  case PKV_DTYPE_FP8_E5M2: return launch_store<kSrc, PKV_DTYPE_FP8_E5M2>(p, vec, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dispatch_store(const StoreParams &p, cudaStream_t stream) {
+  const bool vec = job_vectorizable(p.job[0], p.group) && (p.num_jobs < 2 || job_vectorizable(p.job[1], p.group));
+  switch (p.job[0].src.dtype) {
+  case PKV_DTYPE_F32: return dispatch_dst<PKV_DTYPE_F32>(p, p.job[0].cache.dtype, vec, stream);
+  case PKV_DTYPE_F16: return dispatch_dst<PKV_DTYPE_F16>(p, p.job[0].cache.dtype, vec, stream);
+  case PKV_DTYPE_BF16: return dispatch_dst<PKV_DTYPE_BF16>(p, p.job[0].cache.dtype, vec, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+StoreJob make_job(const pkv_tensor &src, const pkv_tensor &cache, const pkv_tensor &scales) {
+  StoreJob j{};
+  j.src = pkv_rows_view_from(&src);
+  j.cache = pkv_cache_view_from(&cache);
+  if (scales.defined) j.scales = pkv_cache_view_from(&scales);
+  return j;
+}
+
+}  // namespace
+}  // namespace pkv
+
+extern "C" {
+
+pkv_status pkv_cuda_store_supported(const pkv_store_args *a, pkv_error *err) {
+  (void)a;
+  (void)err;
+  return PKV_OK;  // every dtype combination of the contract runs on CUDA
+}
+
+cudaError_t pkv_cuda_store(const pkv_store_args *a, cudaStream_t stream) {
+  using namespace pkv;
+  StoreParams p{};
+  p.offsets = pkv_index_view_from(&a->input_row_offsets);
+  p.lengths = pkv_index_view_from(&a->cache_lengths);
+  p.table = pkv_index_view_from(&a->lookup_table);
+  p.num_rows = a->key.sizes[0];
+  p.group = a->quant_group;
+  if (p.lengths.rows == 0 || p.num_rows == 0) return cudaSuccess;
+  StoreJob k = make_job(a->key, a->k_cache, a->k_scales);
+  p.job[0] = k;
+  p.num_jobs = 1;
+  if (a->v_cache.defined) {
+    StoreJob v = make_job(a->value, a->v_cache, a->v_scales);
+    // One launch for K and V when the kernel is the same; otherwise two.
+    if (v.src.dtype == k.src.dtype && v.cache.dtype == k.cache.dtype && v.cache.num_heads == k.cache.num_heads) {
+      p.job[1] = v;
+      p.num_jobs = 2;
+    } else {
+      PKV_CUDA_TRY(dispatch_store(p, stream));
+      p.job[0] = v;
+    }
+  }
+  return dispatch_store(p, stream);
+}
+
+}  // extern "C"

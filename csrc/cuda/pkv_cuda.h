@@ -1,0 +1,90 @@
+/* pagedkv CUDA backend: host entry points with C linkage.
+ *
+ * Included by the torch shim (csrc/torch/ops_cuda.cpp) and by the .cu files.
+ * No torch types: launchers take the core's validated argument structs and a
+ * stream and return cudaError_t. Anything the kernels cannot run is reported
+ * before launch by the *_supported / plan functions as PKV_ERR_UNSUPPORTED
+ * with a message that says "not supported on CUDA".
+ *
+ * Launchers never allocate device memory and never synchronise: the shim
+ * hands in scratch buffers from torch's caching allocator, so every launch
+ * is CUDA-graph capturable. */
+#ifndef PKV_CUDA_H
+#define PKV_CUDA_H
+
+#include <cuda_runtime_api.h>
+
+#include "../core/pkv_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* K/V tile loaders of flash_attn_paged. All fill the same shared-memory image
+ * (see tile.cuh); the host picks one from the device's compute capability and
+ * from what the fat binary really holds for that device. */
+typedef enum {
+  PKV_LOADER_CP_ASYNC = 0,    /* sm_80+: 16-byte cp.async per row */
+  PKV_LOADER_TMA_PAGES = 1,   /* sm_90: one TMA box per page chunk (4-D map) */
+  PKV_LOADER_TMA_GATHER4 = 2, /* sm_100: TMA tile::gather4, 4 rows per instruction (2-D map) */
+  PKV_LOADER_COUNT = 3
+} pkv_loader;
+
+const char *pkv_loader_name(pkv_loader loader);
+
+/* 1 when `loader` was compiled for `device`'s architecture and the device
+ * can run it (cudaFuncGetAttributes on the loader's kernel: the PTX it was
+ * built from must be new enough, so a body that would only trap is never
+ * picked). 0 otherwise, also when no device is present. */
+int pkv_cuda_loader_available(int device, pkv_loader loader);
+
+/* ---- paged_store ---- */
+pkv_status pkv_cuda_store_supported(const pkv_store_args *a, pkv_error *err);
+cudaError_t pkv_cuda_store(const pkv_store_args *a, cudaStream_t stream);
+
+/* ---- paged_load ---- */
+pkv_status pkv_cuda_load_supported(const pkv_load_args *a, pkv_error *err);
+cudaError_t pkv_cuda_load(const pkv_load_args *a, cudaStream_t stream);
+
+/* ---- flash_attn_paged ----
+ * The plan is made on the host from shapes only (never from index values,
+ * which live on the device): the loader, and the number of KV splits for
+ * decode-like calls with too few (row, KV head) tiles to fill the SMs. With
+ * num_splits > 1 the launcher needs float scratch buffers of the given sizes. */
+typedef struct {
+  int device;
+  int num_sms;
+  pkv_loader loader;
+  int num_splits;            /* 1: no split-KV */
+  int64_t partial_out_floats; /* [num_splits, T, Hq, Dv] */
+  int64_t partial_lse_floats; /* [num_splits, T, Hq] */
+} pkv_cuda_attn_plan;
+
+/* force_loader: -1 picks the best available; otherwise that loader or an error. */
+pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
+                                   pkv_error *err);
+cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
+                          float *partial_lse, cudaStream_t stream);
+
+/* ---- debug: the shared-memory image of one K tile ----
+ * Loads keys [first_key, first_key + rows) of (batch, kv_head) with `loader`
+ * into the common tile layout, zeroes masked rows exactly as attention does
+ * (rows past seq_lens[batch], page ids outside [0, N)), and copies the raw
+ * image (cache dtype, 128-byte-swizzled chunks) to out. */
+typedef struct {
+  int64_t rows;      /* keys per tile (attention's BN for this head size) */
+  int64_t row_bytes; /* bytes per smem row: head size * element size rounded up to 128 */
+  int64_t bytes;     /* rows * row_bytes */
+} pkv_cuda_tile_geometry;
+
+pkv_status pkv_cuda_debug_tile_plan(const pkv_tensor *cache, const pkv_tensor *lookup_table,
+                                    const pkv_tensor *seq_lens, int64_t batch, int64_t kv_head, int64_t first_key,
+                                    int device, pkv_loader loader, pkv_cuda_tile_geometry *geometry, pkv_error *err);
+cudaError_t pkv_cuda_debug_load_tile(const pkv_tensor *cache, const pkv_tensor *lookup_table,
+                                     const pkv_tensor *seq_lens, int64_t batch, int64_t kv_head, int64_t first_key,
+                                     pkv_loader loader, void *out, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PKV_CUDA_H */

