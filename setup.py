@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_MODE = os.environ.get("PAGEDKV_BUILD", "auto").lower()
 if BUILD_MODE not in ("auto", "cpu", "cuda"):
     raise SystemExit(f"PAGEDKV_BUILD must be auto, cpu or cuda, got {BUILD_MODE!r}")
-# PAGEDKV_SANITIZE=1 builds everything with ASan+UBSan for local bug hunting
-# (run python with LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
+# PAGEDKV_SANITIZE=1 builds everything with ASan+UBSan for local bug hunting (run python with
+# LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0; see RELIABILITY.md).
 SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "0") == "1"
 
 

@@ -275,6 +275,16 @@ def gen_table(r, rows, P, extra_pages=None):
     return table, cols, N
 
 
+class BroadcastRow:
+    """A lookup-table row whose every entry is `page` (a stride-0 view of one column)."""
+
+    def __init__(self, page):
+        self.page = page
+
+    def __getitem__(self, j):
+        return self.page
+
+
 def perturb_table(r, table, rows, P, N, desc):
     if not table or not table[0]:
         return
@@ -610,7 +620,7 @@ def geometry(r, allow_mla=True):
     Dv = D if (not allow_mla or r.random() < 0.8) else pick(r, [1, 2, 4, 8, 16])
     k_dtype = pick(r, CACHE_DTYPES)
     v_dtype = k_dtype if r.random() < 0.8 else pick(r, CACHE_DTYPES)
-    group = pick(r, [1, 2, 3, 4, 8, 16, 128, D, D + 1])
+    group = pick(r, [1, 2, 3, 4, 8, 16, 128, D, D + 1, 2**62, 2**63 - 1])
     return P, Hk, D, Dv, k_dtype, v_dtype, group
 
 
@@ -860,6 +870,13 @@ def attn_case(r, gen, desc):
         perturb_lengths(r, lengths, cols * P, desc)
     if r.random() < 0.1:
         perturb_offsets(r, offsets, desc, "input_row_offsets")
+    # a table broadcast from its first column to 2^40 columns (read-only: legal for attention);
+    # its capacity cols * P overflows int64 in a naive check
+    wide_table = cols >= 1 and r.random() < 0.03
+    if wide_table:
+        table = [BroadcastRow(row[0]) for row in table]
+        cols = 2**40
+        desc.append("wide_table")
     hard, soft = oracle_attn(offsets, lengths, table, cols, T, N, P)
     causal = r.random() < 0.7
     window_left = pick(r, [-1, -1, -1, 0, 1, 3, 2**40])
@@ -894,7 +911,15 @@ def attn_case(r, gen, desc):
         bases["out"] = random_bytes_(torch.empty((T, Hq, Dv), dtype=q_dtype), gen)
     t_offsets = int32_tensor(r, offsets, [len(offsets)], "input_row_offsets", mut, names)
     t_lengths = int32_tensor(r, lengths, [len(lengths)], "cache_lengths", mut, names)
-    t_table = int32_tensor(r, sum(table, []), [len(table), cols], "lookup_table", mut, names)
+    if wide_table:
+        t_table = torch.tensor([[row[0]] for row in table], dtype=torch.int32).reshape(-1, 1).expand(len(table), cols)
+        if mut == "dtype:lookup_table":  # int64, still a stride-0 view (never materialised)
+            t_table, _ = t_table[:, :1].long().expand(len(table), cols), names.add("lookup_table")
+        elif mut == "size:lookup_table":
+            t_table, _ = t_table[:-1] if len(table) else torch.zeros((1, 1), dtype=torch.int32).expand(1, cols), \
+                names.add("lookup_table")
+    else:
+        t_table = int32_tensor(r, sum(table, []), [len(table), cols], "lookup_table", mut, names)
     quant_group = group
     if mut == "group:quant_group":
         quant_group, _ = pick(r, [0, -2]), names.add("quant_group")
@@ -954,6 +979,10 @@ def attn_case(r, gen, desc):
                      + " ".join(desc))
     if out is not None and result is not out:
         raise FuzzFailure("flash_attn_paged(out=) must return out; case: " + " ".join(desc))
+    if wide_table:  # the reference materialises table rows: give it the columns it reads
+        news = [offsets[b + 1] - offsets[b] for b in range(len(lengths))]
+        narrow = max([-(-(c + n) // P) for c, n in zip(lengths, news) if n > 0] + [1])
+        args = args[:5] + (args[5][:, :narrow],) + args[6:]
     expected = ref.flash_attn_paged(*args, compute_dtype=torch.float64)
     assert_attention_matches(result, expected, args, " ".join(desc))
 
