@@ -18,6 +18,13 @@ fi
 printf '\n==> Python test suite\n'
 python3 -m pytest -q -ra tests
 
+# The suite above runs the CPU kernels the machine picks (AMX or AVX-512 here); the seeded fuzz
+# suite is cheap, so it also runs on every other kernel path (the ISA is fixed per process).
+for isa in scalar avx2 avx512; do
+  printf '\n==> op fuzz suite on the %s CPU kernels\n' "$isa"
+  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py -k "not walks"
+done
+
 if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ]; then
   printf '\n==> CUDA build check (every .cu for sm_80, sm_90a, sm_100a; gather4 in the sm_100a binary)\n'
   # nvcc mode: every .cu for sm_80/sm_90a/sm_100a plus the gather4 check. The full

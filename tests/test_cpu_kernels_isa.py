@@ -7,7 +7,10 @@ paged_load over a grid and saves the outputs; the test process compares them:
   bf16/f16 q (the bf16 dot-product and AMX tile paths): within the output dtype's rounding;
 - paths against each other: float32 attention within 1e-5; store/load bit-for-bit;
 - paged_store to FP8: codes and scales equal to the contract's rule computed with torch
-  (amax / FP8_MAX, x / scale, clamp, cast), including NaN / inf / subnormal inputs.
+  (amax / FP8_MAX, x / scale, clamp, cast), including NaN / inf / subnormal inputs;
+- non-finite and extreme scores: a visible NaN key makes its query rows NaN (never a silently
+  dropped key), a +inf score makes the row NaN as in the reference, rows that do not see the bad
+  key stay exact, and scores near the float32 range still give the float64 softmax.
 Paths the CPU cannot run fall back to the best it can, so the test runs anywhere; the AMX path is
 skipped where the CPU has no AMX-BF16 (it would only repeat AVX-512). The workers run concurrently, and
 page size x GQA are paired (each value of each still covered per ISA x dtype x head size) to keep CI short.
@@ -184,10 +187,61 @@ STORE_CASES = [(s, c, g) for s in (torch.float32, torch.bfloat16, torch.float16)
                for g in ((128, 32) if c in FP8 else (128,))]
 
 
+# Non-finite / extreme scores, one batch row each, 8 new tokens on 40 cached (so with Hq/Hk = 2,
+# 16 query vectors per KV head: the AMX tile path runs for bf16):
+#  row 0: key 44 holds a NaN: query rows 4..7 see it (causal), rows 0..3 do not;
+#  row 1: key 10 has +inf in channel 0 and q's channel 0 is positive: a +inf score for every row;
+#  row 2: q and k scaled by 2^60 so |q.k| reaches ~1e37 (finite in float32, one-hot softmax;
+#         2^6 for float16).
+SPECIAL_NEW, SPECIAL_CACHED, SPECIAL_D = 8, 40, 64
+
+
+def special_attn(qdt, cdt):
+    gen = torch.Generator().manual_seed(11)
+    p, hk, hq, d, b = 16, 1, 2, SPECIAL_D, 3
+    total = SPECIAL_CACHED + SPECIAL_NEW
+    pages = (total + p - 1) // p
+    table = torch.arange(b * pages, dtype=torch.int32).view(b, pages)
+    k = torch.randn(b * pages, p, hk, d, generator=gen)
+    v = torch.randn(b * pages, p, hk, d, generator=gen)
+    q = torch.randn(b * SPECIAL_NEW, hq, d, generator=gen)
+    k[table[0, 44 // p], 44 % p, 0, 5] = float("nan")
+    q[SPECIAL_NEW:2 * SPECIAL_NEW, :, 0] = q[SPECIAL_NEW:2 * SPECIAL_NEW, :, 0].abs() + 0.5
+    k[table[1, 10 // p], 10 % p, 0, 0] = float("inf")
+    big = 2.0 ** 6 if qdt == torch.float16 else 2.0 ** 60  # float16 tops out at 65504
+    k[table[2].long()] *= big
+    q[2 * SPECIAL_NEW:] *= big
+    offsets = torch.arange(0, (b + 1) * SPECIAL_NEW, SPECIAL_NEW, dtype=torch.int32)
+    lengths = torch.full((b,), SPECIAL_CACHED, dtype=torch.int32)
+    return q.to(qdt), offsets, k.to(cdt), v.to(cdt), lengths, table
+
+
+def special_split_decode(qdt):
+    """One decode token over 3000 keys (split-KV: partials merged by log-sum-exp), a NaN in key 1000
+    of head 0: head 0's query rows are NaN, head 1's match the reference."""
+    gen = torch.Generator().manual_seed(12)
+    p, hk, gqa, d, cached = 16, 2, 4, SPECIAL_D, 3000
+    pages = (cached + 1 + p - 1) // p
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages)
+    k = torch.randn(pages, p, hk, d, generator=gen)
+    v = torch.randn(pages, p, hk, d, generator=gen)
+    k[table[0, 1000 // p], 1000 % p, 0, 3] = float("nan")
+    q = torch.randn(1, hk * gqa, d, generator=gen).to(qdt)
+    offsets = torch.tensor([0, 1], dtype=torch.int32)
+    return q, offsets, k, v, torch.tensor([cached], dtype=torch.int32), table
+
+
+SPECIAL_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
 def worker(path):
     import pagedkv
 
-    res = {"attn": [], "store": []}
+    res = {"attn": [], "store": [], "special": []}
+    for qdt, cdt in SPECIAL_DTYPES:
+        q, offsets, kc, vc, lengths, table = special_attn(qdt, cdt)
+        res["special"].append(pagedkv.flash_attn_paged(q, offsets, kc, vc, lengths, table))
+    res["split"] = [pagedkv.flash_attn_paged(*special_split_decode(qdt)) for qdt in (torch.float32, torch.bfloat16)]
     for i, case in enumerate(attn_cases()):
         q, offsets, kc, vc, lengths, table, ks, vs = make_attn(case, i)
         res["attn"].append(pagedkv.flash_attn_paged(q, offsets, kc, vc, lengths, table, k_scales=ks, v_scales=vs,
@@ -263,6 +317,30 @@ def test_paths_agree(outputs, isa):
                 assert torch.equal(x[name].view(torch.uint8), y[name].view(torch.uint8)), (s, c, g, name)
         for odt in x["loads"]:
             assert torch.equal(x["loads"][odt].view(torch.uint8), y["loads"][odt].view(torch.uint8)), (s, c, g, odt)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_non_finite_and_extreme_scores(outputs, isa):
+    need(isa)
+    n = SPECIAL_NEW
+    for (qdt, cdt), got in zip(SPECIAL_DTYPES, outputs[isa]["special"]):
+        q, offsets, kc, vc, lengths, table = special_attn(qdt, cdt)
+        ref = reference_attn(q, offsets, kc, vc, lengths, table, None, None, 128)
+        what = f"{isa} q={qdt} cache={cdt}"
+        assert torch.isnan(got[4:n]).all(), f"{what}: rows seeing the NaN key must be NaN, got {got[4:n, 0, :4]}"
+        assert torch.isnan(got[n:2 * n]).all(), f"{what}: rows with a +inf score must be NaN (as the reference)"
+        assert torch.isnan(ref[n:2 * n]).all()
+        clean = torch.cat([got[:4], got[2 * n:]]).double()
+        want = torch.cat([ref[:4], ref[2 * n:]])
+        tol = 1e-5 if qdt == torch.float32 else 1e-2
+        ok, err = close(clean, want, tol)
+        assert ok, f"{what}: rows without bad keys (incl. |q.k| ~ 1e37) off by {err}"
+    for qdt, got in zip((torch.float32, torch.bfloat16), outputs[isa]["split"]):
+        q, offsets, kc, vc, lengths, table = special_split_decode(qdt)
+        ref = reference_attn(q, offsets, kc, vc, lengths, table, None, None, 128)
+        assert torch.isnan(got[:, :4]).all(), f"{isa} q={qdt}: split-KV merge dropped a NaN key"
+        ok, err = close(got[:, 4:].double(), ref[:, 4:], 1e-5 if qdt == torch.float32 else 1e-2)
+        assert ok, f"{isa} q={qdt}: split-KV head without the NaN key off by {err}"
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)

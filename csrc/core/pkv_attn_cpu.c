@@ -280,7 +280,7 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t s = 0; s < count; s++) {
       float m = base[s * st->slot_floats + qi];
-      if (m > mx) mx = m;
+      if (m > mx || m != m) mx = m;
     }
     float weight[PKV_CPU_SPLIT_TARGET_ITEMS];
     for (int64_t s = 0; s < count; s++) {
@@ -288,7 +288,7 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
       weight[s] = mx == -INFINITY || p[qi] == -INFINITY ? 0.0f : expf(p[qi] - mx);
       sum += weight[s] * p[nq + qi];
     }
-    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : NAN); /* NaN: a split saw a NaN/+inf score */
     for (int64_t i = 0; i < dv; i++) {
       float acc = 0.0f;
       for (int64_t s = 0; s < count; s++) acc += weight[s] * base[s * st->slot_floats + 2 * nq + qi * dv + i];

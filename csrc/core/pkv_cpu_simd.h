@@ -43,9 +43,10 @@ PKV_AI pkv_vf vf_zero(void) { return _mm512_setzero_ps(); }
 PKV_AI pkv_vf vf_add(pkv_vf a, pkv_vf b) { return _mm512_add_ps(a, b); }
 PKV_AI pkv_vf vf_sub(pkv_vf a, pkv_vf b) { return _mm512_sub_ps(a, b); }
 PKV_AI pkv_vf vf_mul(pkv_vf a, pkv_vf b) { return _mm512_mul_ps(a, b); }
-PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return _mm512_max_ps(a, b); }
+/* max that keeps NaN from either side (MAXPS alone returns b when a is NaN) */
+PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_max_ps(a, b), a); }
 PKV_AI pkv_vf vf_fma(pkv_vf a, pkv_vf b, pkv_vf c) { return _mm512_fmadd_ps(a, b, c); }
-PKV_AI float vf_hmax(pkv_vf v) { return _mm512_reduce_max_ps(v); }
+PKV_AI float vf_hmax(pkv_vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) ? NAN : _mm512_reduce_max_ps(v); }
 PKV_AI float vf_hsum(pkv_vf v) { return _mm512_reduce_add_ps(v); }
 
 /* Lanes i with lo <= i < hi keep v; the others become fill. */
@@ -56,9 +57,11 @@ PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
   return _mm512_mask_blend_ps(m, _mm512_set1_ps(fill), v);
 }
 
-/* 2^x for x <= 0 (scores minus their running max); -inf and x < -150 give 0. */
+/* 2^x for x <= 0 (scores minus their running max); -inf and x < -150 give 0,
+ * NaN stays NaN (MAXPS returns its second operand when either is NaN, so x goes
+ * second: a NaN score must poison the row as in the reference, not vanish). */
 PKV_AI pkv_vf vf_exp2(pkv_vf x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
   pkv_vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   pkv_vf f = _mm512_sub_ps(x, n);
   pkv_vf p = _mm512_set1_ps(PKV_EXP2_C7);
@@ -235,9 +238,11 @@ PKV_AI pkv_vf vf_zero(void) { return _mm256_setzero_ps(); }
 PKV_AI pkv_vf vf_add(pkv_vf a, pkv_vf b) { return _mm256_add_ps(a, b); }
 PKV_AI pkv_vf vf_sub(pkv_vf a, pkv_vf b) { return _mm256_sub_ps(a, b); }
 PKV_AI pkv_vf vf_mul(pkv_vf a, pkv_vf b) { return _mm256_mul_ps(a, b); }
-PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return _mm256_max_ps(a, b); }
+/* max that keeps NaN from either side (MAXPS alone returns b when a is NaN) */
+PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
 PKV_AI pkv_vf vf_fma(pkv_vf a, pkv_vf b, pkv_vf c) { return _mm256_fmadd_ps(a, b, c); }
 PKV_AI float vf_hmax(pkv_vf v) {
+  if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) return NAN;
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
@@ -257,6 +262,7 @@ PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
   return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(keep));
 }
 PKV_AI pkv_vf vf_exp2(pkv_vf x) {
+  pkv_vf in = x, nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* the integer exponent below loses NaN: put it back */
   x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f)); /* also maps -inf; 2^-127 is built as 0 below */
   pkv_vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   pkv_vf f = _mm256_sub_ps(x, n);
@@ -269,7 +275,7 @@ PKV_AI pkv_vf vf_exp2(pkv_vf x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PKV_EXP2_C1));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), in, nan);
 }
 
 PKV_AI pkv_vf vf_from_f16_bits(__m128i h) {
@@ -388,7 +394,7 @@ PKV_AI pkv_vf vf_zero(void) { return 0.0f; }
 PKV_AI pkv_vf vf_add(pkv_vf a, pkv_vf b) { return a + b; }
 PKV_AI pkv_vf vf_sub(pkv_vf a, pkv_vf b) { return a - b; }
 PKV_AI pkv_vf vf_mul(pkv_vf a, pkv_vf b) { return a * b; }
-PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return a > b ? a : b; }
+PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return (a > b || a != a) ? a : b; } /* NaN from either side */
 PKV_AI pkv_vf vf_fma(pkv_vf a, pkv_vf b, pkv_vf c) { return a * b + c; }
 PKV_AI float vf_hmax(pkv_vf v) { return v; }
 PKV_AI float vf_hsum(pkv_vf v) { return v; }

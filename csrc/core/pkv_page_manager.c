@@ -573,9 +573,9 @@ static pkv_pm_status pm_plan_reserve(const pkv_page_manager *manager, const pm_s
   }
   if (num_new_tokens > INT32_MAX - sequence->length) {
     return pm_fail(PKV_PM_BAD_ARGUMENT, message, message_size,
-                   "num_new_tokens: sequence %lld would grow to %lld tokens, more than the "
+                   "num_new_tokens: sequence %lld (%lld tokens) cannot take %lld more: more than the "
                    "int32 limit %d of cache_lengths",
-                   (long long)sequence->id, (long long)(sequence->length + num_new_tokens), INT32_MAX);
+                   (long long)sequence->id, (long long)sequence->length, (long long)num_new_tokens, INT32_MAX);
   }
   const int64_t page_size = manager->page_size;
   const int64_t needed_pages = pm_ceil_div(sequence->length + num_new_tokens, page_size);

@@ -67,7 +67,19 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
 
 /* ---- paged_load: work items are (row b, page j) pairs ---- */
 
-int64_t pkv_load_cpu_work(const pkv_load_args *a) { return a->lookup_table.sizes[0] * a->lookup_table.sizes[1]; }
+/* Table columns any row reads: a table may be far wider than its rows need
+ * (even broadcast to 2^40 columns), so work items never walk the unused ones. */
+static int64_t load_cols(const pkv_load_args *a) {
+  pkv_index_view lengths = pkv_index_view_from(&a->seq_lens);
+  int64_t rows = a->lookup_table.sizes[0], cols = a->lookup_table.sizes[1], page_size = a->cache.sizes[1], need = 0;
+  for (int64_t b = 0; b < rows; b++) {
+    int64_t len = pkv_index_at(&lengths, b), pages = len > 0 ? pkv_pages_for(len, page_size) : 0;
+    if (pages > need) need = pages;
+  }
+  return need < cols ? need : cols;
+}
+
+int64_t pkv_load_cpu_work(const pkv_load_args *a) { return a->lookup_table.sizes[0] * load_cols(a); }
 
 void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end) {
   pkv_index_view offsets = pkv_index_view_from(&a->output_row_offsets);
@@ -77,7 +89,7 @@ void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end) {
   pkv_cache_view s = {0};
   if (a->scales.defined) s = pkv_cache_view_from(&a->scales);
   pkv_rows_view out = pkv_rows_view_from(&a->out);
-  int64_t cols = table.cols, d = c.head_dim, heads = c.num_heads, group = a->quant_group;
+  int64_t cols = load_cols(a), d = c.head_dim, heads = c.num_heads, group = a->quant_group;
   size_t es = pkv_dtype_size(out.dtype), ces = pkv_dtype_size(c.dtype);
   const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
   /* same dtype, dense heads and tokens on both sides: a page run is one copy */

@@ -198,6 +198,9 @@ static void test_reserve_commit(void) {
   EXPECT_MESSAGE_HAS("num_new_tokens");
   EXPECT_STATUS(PKV_PM_BAD_ARGUMENT,
                 pkv_page_manager_reserve(manager, 7, (1LL << 31), src, dst, 256, &(int64_t){0}, MSG));
+  /* near INT64_MAX: the message must not compute length + n (signed overflow; UBSan aborts here) */
+  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_reserve(manager, 7, INT64_MAX, src, dst, 256, &(int64_t){0}, MSG));
+  EXPECT_MESSAGE_HAS("int32 limit");
   EXPECT_OK(pkv_page_manager_commit(manager, 7, 2, NULL, MSG));
   CHECK(length_of(manager, 7) == 8, "length 8 fills both pages");
 
