@@ -9,6 +9,7 @@ import glob
 import os
 import platform
 import shutil
+import sys
 
 from setuptools import setup
 
@@ -81,8 +82,12 @@ isa_libs = [
 ] if IS_X86 else []
 
 cpp_sources = [s for s in rel("csrc/torch/*.cpp") if not s.endswith("_cuda.cpp")]
-cxx_flags = ["-std=c++17", "-Wall"] + OPT + SAN_FLAGS
-link_flags = SAN_FLAGS[:1]
+# -fopenmp: at::parallel_for is a header template whose OpenMP pragma compiles to a plain
+# serial loop without it (every CPU op then ran on one core). The libgomp.so.1 it links is
+# the one torch has already loaded (same soname), so there is one OpenMP runtime and pool.
+OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]
+cxx_flags = ["-std=c++17", "-Wall"] + OPT + SAN_FLAGS + OPENMP
+link_flags = SAN_FLAGS[:1] + OPENMP
 
 # CUDA targets: sm_80 (cp.async loader), sm_90a (TMA per page chunk), sm_100a
 # (TMA gather4), plus compute_80 PTX so newer GPUs JIT the cp.async path.
