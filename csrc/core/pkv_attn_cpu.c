@@ -24,9 +24,9 @@
 #include "pkv_numeric.h"
 
 /* Query vectors (rows x query heads of one KV head) per item: each packed
- * 64-key tile is reused by 128 vectors, and acc/scores (128 x 128 floats)
- * stay in L2. */
-#define PKV_CPU_QUERIES_PER_ITEM 128
+ * 64-key tile is reused by 256 vectors (1.1x prefill over 128 on AMX), and
+ * acc/scores (256 x 128 floats) stay in L2. */
+#define PKV_CPU_QUERIES_PER_ITEM 256
 /* Split-KV: plans with fewer items than this split rows of at least twice
  * PKV_CPU_SPLIT_MIN_KEYS keys; a split never has fewer keys than that, so the
  * merge (nq x Dv floats per split) stays negligible next to the KV read. */
@@ -285,7 +285,7 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
     float weight[PKV_CPU_SPLIT_TARGET_ITEMS];
     for (int64_t s = 0; s < count; s++) {
       const float *p = base + s * st->slot_floats;
-      weight[s] = mx == -INFINITY || p[qi] == -INFINITY ? 0.0f : expf(p[qi] - mx);
+      weight[s] = mx == -INFINITY || p[qi] == -INFINITY ? 0.0f : exp2f(p[qi] - mx); /* m in log2 units */
       sum += weight[s] * p[nq + qi];
     }
     float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : NAN); /* NaN: a split saw a NaN/+inf score */
