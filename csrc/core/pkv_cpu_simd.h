@@ -60,10 +60,16 @@ PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
 /* 2^x for x <= 0 (scores minus their running max); -inf and x < -150 give 0,
  * NaN stays NaN (MAXPS returns its second operand when either is NaN, so x goes
  * second: a NaN score must poison the row as in the reference, not vanish). */
-PKV_AI pkv_vf vf_exp2(pkv_vf x) {
+/* Range reduction shared by the exp2 variants: x = n + f, n integral, |f| <= 0.5. */
+PKV_AI pkv_vf vf_exp2_split(pkv_vf x, pkv_vf *f) {
   x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
   pkv_vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  pkv_vf f = _mm512_sub_ps(x, n);
+  *f = _mm512_sub_ps(x, n);
+  return n;
+}
+
+PKV_AI pkv_vf vf_exp2(pkv_vf x) {
+  pkv_vf f, n = vf_exp2_split(x, &f);
   pkv_vf p = _mm512_set1_ps(PKV_EXP2_C7);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C6));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C5));
@@ -79,9 +85,7 @@ PKV_AI pkv_vf vf_exp2(pkv_vf x) {
  * Chebyshev nodes, relative error < 8e-5; bf16 rounding is 2e-3), for probabilities the AMX
  * paths round to bf16 anyway. Same range and NaN rules as vf_exp2. */
 PKV_AI pkv_vf vf_exp2_bf16(pkv_vf x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
-  pkv_vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  pkv_vf f = _mm512_sub_ps(x, n);
+  pkv_vf f, n = vf_exp2_split(x, &f);
   pkv_vf p = _mm512_set1_ps(0.05508868380751114f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24260405145947936f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932762416819607f));
