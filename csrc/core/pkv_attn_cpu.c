@@ -234,7 +234,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   int64_t nqp = pkv_cpu_pad(nq);
   int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
                    2 * keys + dp + nq * keys / 2 + keys / 2 * dvp + nq * d2p;
-  size_t ptr_bytes = (size_t)(8 * keys) * sizeof(void *);
+  size_t ptr_bytes = (size_t)(4 * PKV_CPU_TILE_SLOTS * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
   char *mem = (char *)aligned_alloc(64, bytes);
   if (!mem) return NULL;
@@ -259,9 +259,9 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->qt = (uint32_t *)f, f += nq * d2p;
   memset(w->zero, 0, (size_t)dp * sizeof(uint32_t));
   const void **p = (const void **)f;
-  w->kptr = p, p += 2 * keys;
-  w->vptr = p, p += 2 * keys;
-  w->ksptr = (const float **)p, p += 2 * keys;
+  w->kptr = p, p += PKV_CPU_TILE_SLOTS * keys;
+  w->vptr = p, p += PKV_CPU_TILE_SLOTS * keys;
+  w->ksptr = (const float **)p, p += PKV_CPU_TILE_SLOTS * keys;
   w->vsptr = (const float **)p;
   return mem;
 }

@@ -18,6 +18,9 @@ extern "C" {
 /* Keys per K/V tile: a 64-key tile of K (D <= 128, f32) is 32 KiB and stays in
  * L1/L2 while every query vector of a work item is scored against it. */
 #define PKV_CPU_KEYS_PER_TILE 64
+/* Row-pointer slots per work item: the tile in use and the tiles ahead that
+ * are being prefetched (pkv_cpu_kernels.inc). */
+#define PKV_CPU_TILE_SLOTS 3
 /* Widest vector in floats; scratch rows are padded to it so every ISA fits. */
 #define PKV_CPU_MAX_LANES 16
 
@@ -38,8 +41,8 @@ typedef struct {
   float *acc;          /* [nq, pad(dv)] unnormalised output */
   float *m, *l;        /* [nq] running max (natural units) and sum */
   float *kscale, *vscale;                  /* [KEYS] per-key FP8 scales folded into scores / probabilities */
-  const void **kptr, **vptr;               /* [2, KEYS] row pointers of the current and next tile */
-  const float **ksptr, **vsptr;            /* [2, KEYS] scale rows (FP8) */
+  const void **kptr, **vptr;               /* [TILE_SLOTS, KEYS] row pointers of this tile and those ahead */
+  const float **ksptr, **vsptr;            /* [TILE_SLOTS, KEYS] scale rows (FP8) */
   uint32_t *zero;                          /* [pad(d)] a zero row for padding keys */
   uint16_t *pb;                            /* [nqa, KEYS] probabilities as bf16 (AMX) */
   uint32_t *vb;                            /* [KEYS/2, pad(dv)] V tile as bf16 key pairs (AMX) */

@@ -210,7 +210,7 @@ PKV_AI void v_transpose_words(const uint32_t *const *rows, int64_t n, uint32_t *
   for (int c = 0; c < n && c < 16; c++) _mm512_storeu_si512((void *)(dst + c * ld), t[c]);
 }
 
-PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
 
 /* bf16 bits of e4m3 magnitudes 0..127 (exact; 0x7f is NaN), for the in-register lookup below. */
 static const uint16_t pkv_e4m3_bf16_table[128] = {
@@ -398,7 +398,7 @@ PKV_AI void v_transpose_words(const uint32_t *const *rows, int64_t n, uint32_t *
   for (int c = 0; c < n && c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), t[c]);
 }
 
-PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
 
 #else
 /* ======================================================================== scalar */
