@@ -81,6 +81,12 @@ def attn_cases():
     for cdt in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         qdt = torch.float16 if cdt == torch.float16 else torch.bfloat16
         cases.append(dict(d=128, p=16, gqa=4, cdt=cdt, qdt=qdt, group=128, new=[150], cached=[70], hk=2))
+    # decode on 32-slot pages (AMX decode loads 16-key K blocks in place from the page), with and
+    # without a softcap (the AMX decode softmax gathers S^T columns; softcap reads transposed rows)
+    for cdt in (torch.bfloat16, torch.float8_e4m3fn):
+        for softcap in (0.0, 5.0):
+            cases.append(dict(d=128, p=32, gqa=4, cdt=cdt, qdt=torch.bfloat16, group=128, new=[1, 1, 1],
+                              cached=[200, 77, 16], hk=3, softcap=softcap))
     # long decode: few items -> split-KV with a log-sum-exp merge
     for cdt in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for qdt in (torch.float32, torch.bfloat16):
@@ -113,7 +119,7 @@ def make_attn(case, seed):
     return q, offsets, kc, vc, lengths, table, ks, vs
 
 
-def reference_attn(q, offsets, kc, vc, lengths, table, ks, vs, group):
+def reference_attn(q, offsets, kc, vc, lengths, table, ks, vs, group, softcap=0.0):
     t_rows, hq, d = q.shape
     _, p, hk, _ = kc.shape
 
@@ -136,6 +142,8 @@ def reference_attn(q, offsets, kc, vc, lengths, table, ks, vs, group):
         vb = V[pages].reshape(-1, hk, d)[:total].repeat_interleave(hq // hk, 1)
         qq = q[int(offsets[b]):int(offsets[b + 1])].to(torch.float64)
         s = torch.einsum("ihd,jhd->hij", qq, kb) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         pos = int(lengths[b]) + torch.arange(n)
         s = s.masked_fill(torch.arange(total)[None, :] > pos[:, None], float("-inf"))
         out[int(offsets[b]):int(offsets[b + 1])] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vb)
@@ -245,7 +253,7 @@ def worker(path):
     for i, case in enumerate(attn_cases()):
         q, offsets, kc, vc, lengths, table, ks, vs = make_attn(case, i)
         res["attn"].append(pagedkv.flash_attn_paged(q, offsets, kc, vc, lengths, table, k_scales=ks, v_scales=vs,
-                                                    quant_group=case["group"]))
+                                                    quant_group=case["group"], softcap=case.get("softcap", 0.0)))
     for s, c, g in STORE_CASES:
         res["store"].append(run_store_load(s, c, g))
     torch.save(res, path)
@@ -279,7 +287,8 @@ def references():
     refs = []
     for i, case in enumerate(attn_cases()):
         q, offsets, kc, vc, lengths, table, ks, vs = make_attn(case, i)
-        refs.append((reference_attn(q, offsets, kc, vc, lengths, table, ks, vs, case["group"]), int(offsets[-1])))
+        refs.append((reference_attn(q, offsets, kc, vc, lengths, table, ks, vs, case["group"], case.get("softcap", 0.0)),
+                     int(offsets[-1])))
     return refs
 
 
