@@ -239,6 +239,31 @@ def special_split_decode(qdt):
     return q, offsets, k, v, torch.tensor([cached], dtype=torch.int32), table
 
 
+def rising_scores(qdt, step):
+    """Scores that rise tile after tile (64 keys per tile) by `step` natural-log units per tile: the
+    running maximum moves by less than the kernels' lazy-rescale slack (2^8) per tile for small steps
+    and by far more for large ones; both must match the float64 softmax. Rows: one decode token and a
+    prefill chunk of 40 tokens, over 300 cached keys, 16-slot pages, bf16 cache."""
+    gen = torch.Generator().manual_seed(13)
+    p, hk, gqa, d, cached, new = 16, 2, 4, 64, 300, [1, 40]
+    b, total = len(new), [cached + n for n in new]
+    pages = max((t + p - 1) // p for t in total)
+    table = torch.randperm(b * pages, generator=gen).to(torch.int32).view(b, pages)
+    direction = torch.randn(d, generator=gen)
+    direction /= direction.norm()
+    q = torch.randn(sum(new), hk * gqa, d, generator=gen) * 0.1 + direction * math.sqrt(d)
+    k = torch.randn(b * pages, p, hk, d, generator=gen) * 0.1
+    v = torch.randn(b * pages, p, hk, d, generator=gen)
+    for row in range(b):  # key position j scores about step * j / 64 (q.k / sqrt(d))
+        pos = torch.arange(pages * p, dtype=torch.float32).view(pages, p, 1, 1)
+        k[table[row].long()] += direction * (step * pos / 64)
+    offsets = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    return q.to(qdt), offsets, k.to(torch.bfloat16), v.to(torch.bfloat16), torch.full((b,), cached, dtype=torch.int32), table
+
+
+RISING = [(qdt, step) for qdt in (torch.float32, torch.bfloat16) for step in (1.0, 4.0, 60.0)]
+
+
 SPECIAL_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
 
 
@@ -249,6 +274,7 @@ def worker(path):
     for qdt, cdt in SPECIAL_DTYPES:
         q, offsets, kc, vc, lengths, table = special_attn(qdt, cdt)
         res["special"].append(pagedkv.flash_attn_paged(q, offsets, kc, vc, lengths, table))
+    res["rising"] = [pagedkv.flash_attn_paged(*rising_scores(qdt, step)) for qdt, step in RISING]
     res["split"] = [pagedkv.flash_attn_paged(*special_split_decode(qdt)) for qdt in (torch.float32, torch.bfloat16)]
     for i, case in enumerate(attn_cases()):
         q, offsets, kc, vc, lengths, table, ks, vs = make_attn(case, i)
@@ -350,6 +376,19 @@ def test_non_finite_and_extreme_scores(outputs, isa):
         assert torch.isnan(got[:, :4]).all(), f"{isa} q={qdt}: split-KV merge dropped a NaN key"
         ok, err = close(got[:, 4:].double(), ref[:, 4:], 1e-5 if qdt == torch.float32 else 1e-2)
         assert ok, f"{isa} q={qdt}: split-KV head without the NaN key off by {err}"
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_rising_scores_rescale(outputs, isa):
+    need(isa)
+    for (qdt, step), got in zip(RISING, outputs[isa]["rising"]):
+        q, offsets, kc, vc, lengths, table = rising_scores(qdt, step)
+        ref = reference_attn(q, offsets, kc, vc, lengths, table, None, None, 128)
+        # float32 scores of size ~5 * step carry an absolute rounding error of ~5 * step * 2^-24,
+        # which becomes the probabilities' relative error
+        tol = max(1e-5, 5 * step * 2.0 ** -22) if qdt == torch.float32 else 1e-2
+        ok, err = close(got, ref, tol)
+        assert ok, f"{isa} q={qdt} step={step}: off by {err}"
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
