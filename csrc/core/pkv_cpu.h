@@ -20,7 +20,7 @@ extern "C" {
 #define PKV_CPU_KEYS_PER_TILE 64
 /* Row-pointer slots per work item: the tile in use and the tiles ahead that
  * are being prefetched (pkv_cpu_kernels.inc). */
-#define PKV_CPU_TILE_SLOTS 3
+#define PKV_CPU_TILE_SLOTS 2
 /* Widest vector in floats; scratch rows are padded to it so every ISA fits. */
 #define PKV_CPU_MAX_LANES 16
 
