@@ -232,14 +232,16 @@ static const uint16_t pkv_e4m3_bf16_table[128] = {
 
 /* 32 e4m3 codes -> their exact bf16 bits: a 128-entry table lookup held in four
  * registers (two vpermi2w and a blend on bit 6), then the sign bit. */
-PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
+PKV_AI __m512i vi_e4m3_to_bf16_32(const uint8_t *p) {
   const __m512i *t = (const __m512i *)pkv_e4m3_bf16_table;
   __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
   __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 1));
   __m512i hi = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 2), c, _mm512_loadu_si512(t + 3));
   __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
-  v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
-  _mm512_storeu_si512((void *)dst, v);
+  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+}
+PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
+  _mm512_storeu_si512((void *)dst, vi_e4m3_to_bf16_32(p));
 }
 
 #elif defined(PKV_SIMD_AVX2)
