@@ -141,8 +141,7 @@ def main():
     if sweep:
         p1 = next(r for r in sweep if r["P"] == 1)
         targets.append(dict(target="page 1 within 25% of page 16", measured=p1["vs_page16"], met=p1["vs_page16"] <= 1.25))
-    for tg in targets:
-        print(f"target: {tg['target']:40s} measured {tg['measured']:.3g}  {'MET' if tg['met'] else 'MISSED'}")
+    common.print_targets(targets)
     if args.no_write:
         return
     stem = args.out or ("decode_cpu_quick" if args.quick else "decode_cpu")

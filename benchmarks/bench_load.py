@@ -83,27 +83,13 @@ def main():
     common.print_table(rows, cols)
     targets = [dict(target="load bf16 at 32k tokens >= 70% of copy bandwidth", measured=rows[0]["pct_copy"],
                     met=rows[0]["pct_copy"] >= 70)]
-    for tg in targets:
-        print(f"target: {tg['target']:50s} measured {tg['measured']:.3g}  {'MET' if tg['met'] else 'MISSED'}")
+    common.print_targets(targets)
     if args.no_write:
         return
 
-    def plot(path):
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        x = range(len(rows))
-        ax.bar(list(x), [r["pagedkv_gbps"] for r in rows], 0.5, label="pagedkv paged_load")
-        ax.axhline(ceiling["gbps"], color="k", ls="--", label="copy ceiling")
-        ax.set_xticks(list(x), [r["case"] for r in rows], fontsize=7, rotation=15)
-        ax.set_ylabel("GB/s (read + written)")
-        ax.legend(fontsize=8)
-        ax.set_title(f"paged_load, {env['device']}, {env['threads']} threads", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-
     common.write_results(args.out or ("load_cpu_quick" if args.quick else "load_cpu"), "pagedkv CPU paged_load",
-                         __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets, plot)
+                         __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets,
+                         common.bandwidth_plot(rows, ceiling, env, "paged_load"))
 
 
 if __name__ == "__main__":

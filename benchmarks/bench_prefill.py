@@ -80,8 +80,7 @@ def main():
     print(f"SDPA backend: {rows[0]['sdpa_backend']}")
     targets = [dict(target="causal prefill >= 1.0x SDPA (contiguous K/V)", measured=rows[0]["vs_sdpa"],
                     met=rows[0]["vs_sdpa"] >= 1.0)]
-    for tg in targets:
-        print(f"target: {tg['target']:45s} measured {tg['measured']:.3g}  {'MET' if tg['met'] else 'MISSED'}")
+    common.print_targets(targets)
     if args.no_write:
         return
 

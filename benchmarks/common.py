@@ -222,6 +222,33 @@ def print_table(rows: List[dict], columns: List[str]) -> None:
         print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
 
 
+def print_targets(targets: List[dict]) -> None:
+    """One line per target: what it asks, the measured value, MET or MISSED."""
+    width = max(len(t["target"]) for t in targets)
+    for t in targets:
+        print(f"target: {t['target']:{width}s} measured {t['measured']:.3g}  {'MET' if t['met'] else 'MISSED'}")
+
+
+def bandwidth_plot(rows: List[dict], ceiling: dict, env: dict, op: str) -> Callable[[str], None]:
+    """A plot function for write_results: pagedkv GB/s per row as bars, the copy ceiling as a line."""
+
+    def plot(path):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        x = range(len(rows))
+        ax.bar(list(x), [r["pagedkv_gbps"] for r in rows], 0.5, label=f"pagedkv {op}")
+        ax.axhline(ceiling["gbps"], color="k", ls="--", label="copy ceiling")
+        ax.set_xticks(list(x), [r["case"] for r in rows], fontsize=7, rotation=15)
+        ax.set_ylabel("GB/s (read + written)")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{op}, {env['device']}, {env['threads']} threads", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return plot
+
+
 def write_results(stem: str, title: str, method: str, env: dict, ceiling: dict, rows: List[dict], columns: List[str],
                   targets: Optional[List[dict]] = None, plot: Optional[Callable[[str], None]] = None) -> None:
     os.makedirs(RESULTS_DIR, exist_ok=True)
