@@ -1,5 +1,5 @@
 /* pagedkv core: the CPU kernels for AVX-512 + AVX512_BF16 with AMX tiles
- * (AMX-TILE, AMX-BF16). Built alone with -mamx-tile -mamx-bf16 and the
+ * (AMX-TILE, AMX-BF16). Built alone with -mamx-tile -mamx-bf16 -mavx512vbmi and the
  * AVX-512 flags (setup.py); chosen only when cpuid reports AMX-BF16, XCR0
  * enables the tile state and Linux grants it (arch_prctl, pkv_cpu_dispatch.c).
  * Items with bf16/f16 queries and enough query vectors (prefill) run QK^T and

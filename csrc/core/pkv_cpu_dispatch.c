@@ -56,9 +56,10 @@ static cpu_choice detect(void) {
     c.isa = ISA_AVX512;
     unsigned a1 = 0, b1, c1, d1;
     if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) c.dot_bf16 = (a1 >> 5) & 1;
-    /* AMX-BF16 (edx bit 22) and AMX-TILE (bit 24), tile state enabled in XCR0 (bits 17, 18) */
-    int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-    if (c.dot_bf16 && amx_bf16 && amx_tile && (x & 0x60000) == 0x60000) c.isa = ISA_AMX;
+    /* AMX-BF16 (edx bit 22) and AMX-TILE (bit 24), tile state enabled in XCR0 (bits 17, 18);
+     * the AMX build also uses AVX512_VBMI byte permutes (ecx bit 1; every AMX CPU has it) */
+    int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, vbmi = (cx >> 1) & 1;
+    if (c.dot_bf16 && vbmi && amx_bf16 && amx_tile && (x & 0x60000) == 0x60000) c.isa = ISA_AMX;
   }
   const char *want = getenv("PAGEDKV_CPU_ISA");
   if (want) {

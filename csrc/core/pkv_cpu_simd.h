@@ -212,23 +212,23 @@ PKV_AI void v_transpose_words(const uint32_t *const *rows, int64_t n, uint32_t *
 
 PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
 
-/* bf16 bits of e4m3 magnitudes 0..127 (exact; 0x7f is NaN), for the in-register lookup below. */
-static const uint16_t pkv_e4m3_bf16_table[128] = {
+/* bf16 bits of e4m3 magnitudes 0..127 (exact; 0x7f is NaN), F applied to each:
+ * the tables of the in-register lookups below. */
 #define PKV_E4M3_SUB(m) (uint16_t)((m) == 0 ? 0 : ((m) == 1 ? 0x3b00 : ((m) < 4 ? 0x3b80 | (((m) & 1) << 6) : 0x3c00 | (((m) & 3) << 5))))
 #define PKV_E4M3_NORM(e, m) (uint16_t)((((e) + 120) << 7) | ((m) << 4))
-#define PKV_E4M3_ROW(e) PKV_E4M3_NORM(e, 0), PKV_E4M3_NORM(e, 1), PKV_E4M3_NORM(e, 2), PKV_E4M3_NORM(e, 3), \
-    PKV_E4M3_NORM(e, 4), PKV_E4M3_NORM(e, 5), PKV_E4M3_NORM(e, 6), PKV_E4M3_NORM(e, 7)
-    PKV_E4M3_SUB(0), PKV_E4M3_SUB(1), PKV_E4M3_SUB(2), PKV_E4M3_SUB(3),
-    PKV_E4M3_SUB(4), PKV_E4M3_SUB(5), PKV_E4M3_SUB(6), PKV_E4M3_SUB(7),
-    PKV_E4M3_ROW(1), PKV_E4M3_ROW(2), PKV_E4M3_ROW(3), PKV_E4M3_ROW(4), PKV_E4M3_ROW(5),
-    PKV_E4M3_ROW(6), PKV_E4M3_ROW(7), PKV_E4M3_ROW(8), PKV_E4M3_ROW(9), PKV_E4M3_ROW(10),
-    PKV_E4M3_ROW(11), PKV_E4M3_ROW(12), PKV_E4M3_ROW(13), PKV_E4M3_ROW(14),
-    PKV_E4M3_NORM(15, 0), PKV_E4M3_NORM(15, 1), PKV_E4M3_NORM(15, 2), PKV_E4M3_NORM(15, 3),
-    PKV_E4M3_NORM(15, 4), PKV_E4M3_NORM(15, 5), PKV_E4M3_NORM(15, 6), 0x7fc0,
-#undef PKV_E4M3_ROW
-#undef PKV_E4M3_NORM
-#undef PKV_E4M3_SUB
-};
+#define PKV_E4M3_ROW(F, e) F(PKV_E4M3_NORM(e, 0)), F(PKV_E4M3_NORM(e, 1)), F(PKV_E4M3_NORM(e, 2)), \
+    F(PKV_E4M3_NORM(e, 3)), F(PKV_E4M3_NORM(e, 4)), F(PKV_E4M3_NORM(e, 5)), F(PKV_E4M3_NORM(e, 6)), F(PKV_E4M3_NORM(e, 7))
+#define PKV_E4M3_BF16(F) \
+    F(PKV_E4M3_SUB(0)), F(PKV_E4M3_SUB(1)), F(PKV_E4M3_SUB(2)), F(PKV_E4M3_SUB(3)), \
+    F(PKV_E4M3_SUB(4)), F(PKV_E4M3_SUB(5)), F(PKV_E4M3_SUB(6)), F(PKV_E4M3_SUB(7)), \
+    PKV_E4M3_ROW(F, 1), PKV_E4M3_ROW(F, 2), PKV_E4M3_ROW(F, 3), PKV_E4M3_ROW(F, 4), PKV_E4M3_ROW(F, 5), \
+    PKV_E4M3_ROW(F, 6), PKV_E4M3_ROW(F, 7), PKV_E4M3_ROW(F, 8), PKV_E4M3_ROW(F, 9), PKV_E4M3_ROW(F, 10), \
+    PKV_E4M3_ROW(F, 11), PKV_E4M3_ROW(F, 12), PKV_E4M3_ROW(F, 13), PKV_E4M3_ROW(F, 14), \
+    F(PKV_E4M3_NORM(15, 0)), F(PKV_E4M3_NORM(15, 1)), F(PKV_E4M3_NORM(15, 2)), F(PKV_E4M3_NORM(15, 3)), \
+    F(PKV_E4M3_NORM(15, 4)), F(PKV_E4M3_NORM(15, 5)), F(PKV_E4M3_NORM(15, 6)), F(0x7fc0)
+#define PKV_WORD(x) (x)
+static const uint16_t pkv_e4m3_bf16_table[128] = {PKV_E4M3_BF16(PKV_WORD)};
+#undef PKV_WORD
 
 /* 32 e4m3 codes -> their exact bf16 bits: a 128-entry table lookup held in four
  * registers (two vpermi2w and a blend on bit 6), then the sign bit. */
@@ -243,6 +243,63 @@ PKV_AI __m512i vi_e4m3_to_bf16_32(const uint8_t *p) {
 PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
   _mm512_storeu_si512((void *)dst, vi_e4m3_to_bf16_32(p));
 }
+
+#if defined(__AVX512VBMI__)
+/* With VBMI (the AMX build): byte lookups, 64 codes at a time. vpermi2b is one
+ * uop where vpermi2w is three, and the decode's FP8 K and V conversion was the
+ * largest cost of FP8 decode (tables: the high and low bytes of the bf16 bits). */
+#define PKV_HI_BYTE(x) (uint8_t)((x) >> 8)
+#define PKV_LO_BYTE(x) (uint8_t)((x) & 0xff)
+static const uint8_t pkv_e4m3_bf16_hi[128] = {PKV_E4M3_BF16(PKV_HI_BYTE)};
+static const uint8_t pkv_e4m3_bf16_lo[128] = {PKV_E4M3_BF16(PKV_LO_BYTE)};
+#undef PKV_HI_BYTE
+#undef PKV_LO_BYTE
+
+/* bf16 bytes of 64 codes already in register c: *hi (with the sign) and *lo. */
+PKV_AI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
+  const __m512i *th = (const __m512i *)pkv_e4m3_bf16_hi, *tl = (const __m512i *)pkv_e4m3_bf16_lo;
+  /* the index's bit 7 (the sign) is ignored by the lookup and or-ed back after it */
+  __m512i h = _mm512_permutex2var_epi8(_mm512_loadu_si512(th), c, _mm512_loadu_si512(th + 1));
+  *hi = _mm512_ternarylogic_epi32(h, c, _mm512_set1_epi8((char)0x80), 0xf8); /* h | (c & 0x80) */
+  *lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(tl), c, _mm512_loadu_si512(tl + 1));
+}
+
+/* Up to 64 codes (n in (0, 64], nothing read past p + n) -> bf16 bits of codes
+ * 0..31 (*first) and 32..63 (*second). The codes are reordered first so the
+ * in-lane byte interleave comes out in order: byte 16L + j takes code 8L + j
+ * and byte 16L + 8 + j code 32 + 8L + j (lane L, j < 8). */
+PKV_AI void vi_e4m3_to_bf16_64(const uint8_t *p, int n, __m512i *first, __m512i *second) {
+  const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 31, 30, 29, 28, 27, 26, 25, 24,
+                                        55, 54, 53, 52, 51, 50, 49, 48, 23, 22, 21, 20, 19, 18, 17, 16,
+                                        47, 46, 45, 44, 43, 42, 41, 40, 15, 14, 13, 12, 11, 10, 9, 8,
+                                        39, 38, 37, 36, 35, 34, 33, 32, 7, 6, 5, 4, 3, 2, 1, 0);
+  __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+  __m512i hi, lo;
+  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, p)), &hi, &lo);
+  *first = _mm512_unpacklo_epi8(lo, hi);
+  *second = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* Up to 64 columns of two code rows a, b -> vb words (a[c], b[c]) for columns
+ * 0..15, 16..31, 32..47, 48..63 in out[0..3]. The reorder puts code 16g + 4L + i
+ * at byte 16L + 4g + i, so two rounds of in-lane interleave end in column order. */
+PKV_AI void vi_e4m3_pairs_64(const uint8_t *a, const uint8_t *b, int n, __m512i out[4]) {
+  const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,
+                                        59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,
+                                        55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,
+                                        51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+  __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+  __m512i ah, al, bh, bl;
+  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, a)), &ah, &al);
+  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, b)), &bh, &bl);
+  __m512i wa0 = _mm512_unpacklo_epi8(al, ah), wa1 = _mm512_unpackhi_epi8(al, ah);
+  __m512i wb0 = _mm512_unpacklo_epi8(bl, bh), wb1 = _mm512_unpackhi_epi8(bl, bh);
+  out[0] = _mm512_unpacklo_epi16(wa0, wb0);
+  out[1] = _mm512_unpackhi_epi16(wa0, wb0);
+  out[2] = _mm512_unpacklo_epi16(wa1, wb1);
+  out[3] = _mm512_unpackhi_epi16(wa1, wb1);
+}
+#endif
 
 #elif defined(PKV_SIMD_AVX2)
 /* ========================================================================== AVX2 */
