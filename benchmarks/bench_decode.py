@@ -33,8 +33,8 @@ def make_case(B, L, Hq, Hk, D, P, gen, identity=False):
     pages_per_seq = (L + P - 1) // P
     num_pages = B * pages_per_seq
     table = common.random_table(B, pages_per_seq, num_pages, gen, identity)
-    k = torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16)
+    k = common.cache_tensor(torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16))
+    v = common.cache_tensor(torch.randn(num_pages, P, Hk, D, generator=gen).to(torch.bfloat16))
     q = torch.randn(B, Hq, D, generator=gen).to(torch.bfloat16)
     offsets = torch.arange(B + 1, dtype=torch.int32)
     cache_lengths = torch.full((B,), L - 1, dtype=torch.int32)  # the new token is already stored

@@ -28,7 +28,7 @@ def run_case(T, P, dtype, gen, args, identity=False, B=8, Hk=8, D=128):
     if fp8:
         cache, scales = common.quantize_fp8(src, dtype)
     else:
-        cache, scales = src.to(dtype), None
+        cache, scales = common.cache_tensor(src.to(dtype)), None
     seq_lens = torch.full((B,), per, dtype=torch.int32)
     offsets = torch.arange(0, T + 1, per, dtype=torch.int32)
     out = torch.empty(T, Hk, D, dtype=torch.bfloat16)

@@ -25,8 +25,8 @@ F = torch.nn.functional
 def run_case(L, Hq, Hk, D, P, gen, args):
     pages = (L + P - 1) // P
     table = common.random_table(1, pages, pages, gen)
-    k = torch.randn(pages, P, Hk, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(pages, P, Hk, D, generator=gen).to(torch.bfloat16)
+    k = common.cache_tensor(torch.randn(pages, P, Hk, D, generator=gen).to(torch.bfloat16))
+    v = common.cache_tensor(torch.randn(pages, P, Hk, D, generator=gen).to(torch.bfloat16))
     q = torch.randn(L, Hq, D, generator=gen).to(torch.bfloat16)
     offsets = torch.tensor([0, L], dtype=torch.int32)
     lengths = torch.zeros(1, dtype=torch.int32)

@@ -113,6 +113,14 @@ def random_table(batch: int, pages_per_seq: int, num_pages: int, gen: torch.Gene
     return ids.to(torch.int32).view(batch, pages_per_seq)
 
 
+def cache_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x copied into memory allocated the way pagedkv's cache classes allocate (pagedkv.memory.zeros:
+    huge-page advised on Linux), so the benchmarks read caches like the ones users get."""
+    t = pagedkv.memory.zeros(x.shape, dtype=x.dtype)
+    t.copy_(x)
+    return t
+
+
 def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, group: int = 128):
     """The contract's FP8 rule in torch: per (token, head, group) scale = amax / FP8_MAX."""
     fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
@@ -126,7 +134,7 @@ def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, group: int = 128):
     amax = g.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
     q = (g / scale).clamp(-fmax, fmax).to(dtype).view(*xs.shape[:-1], ng * group)[..., :d]
-    return q.contiguous(), scale.squeeze(-1).contiguous()
+    return cache_tensor(q), scale.squeeze(-1).contiguous()
 
 
 def sdpa_backend_name(fn: Callable[[], object]) -> str:
@@ -194,7 +202,17 @@ def environment() -> dict:
         "python": platform.python_version(),
         "pagedkv_cpu_isa": cpu_isa(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "transparent_hugepage": thp_mode(),  # caches come from pagedkv.memory.zeros (madvise)
     }
+
+
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "" if unknown."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return ""
 
 
 # ---------------------------------------------------------------- output

@@ -4,7 +4,7 @@ Importing the package registers torch.ops.pagedkv.{paged_store, paged_load,
 flash_attn_paged}; the functions below are typed wrappers of the same ops.
 """
 
-from . import reference
+from . import memory, reference
 from .cache import (
     ContinuousBatchingKVCache,
     KVCacheBatch,
@@ -24,6 +24,7 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "reference",
+    "memory",
     "PagedKVCacheCollection",
     "PagedKVCacheFA3Fallback",
     "PagedKVCache",
