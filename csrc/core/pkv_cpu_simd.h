@@ -281,23 +281,21 @@ PKV_AI void vi_e4m3_to_bf16_64(const uint8_t *p, int n, __m512i *first, __m512i 
 }
 
 /* Up to 64 columns of two code rows a, b -> vb words (a[c], b[c]) for columns
- * 0..15, 16..31, 32..47, 48..63 in out[0..3]. The reorder puts code 16g + 4L + i
- * at byte 16L + 4g + i, so two rounds of in-lane interleave end in column order. */
+ * 0..15, 16..31, 32..47, 48..63 in out[0..3]. The rows are interleaved as codes
+ * first (one lookup serves both rows), after a dword reorder that puts code
+ * 16g + 4L + i at byte 16L + 4g + i, so the in-lane interleaves end in column order. */
 PKV_AI void vi_e4m3_pairs_64(const uint8_t *a, const uint8_t *b, int n, __m512i out[4]) {
-  const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,
-                                        59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,
-                                        55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,
-                                        51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
-  __m512i ah, al, bh, bl;
-  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, a)), &ah, &al);
-  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, b)), &bh, &bl);
-  __m512i wa0 = _mm512_unpacklo_epi8(al, ah), wa1 = _mm512_unpackhi_epi8(al, ah);
-  __m512i wb0 = _mm512_unpacklo_epi8(bl, bh), wb1 = _mm512_unpackhi_epi8(bl, bh);
-  out[0] = _mm512_unpacklo_epi16(wa0, wb0);
-  out[1] = _mm512_unpackhi_epi16(wa0, wb0);
-  out[2] = _mm512_unpacklo_epi16(wa1, wb1);
-  out[3] = _mm512_unpackhi_epi16(wa1, wb1);
+  __m512i ra = _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi8(m, a));
+  __m512i rb = _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi8(m, b));
+  __m512i h0, l0, h1, l1;
+  vi_e4m3_bf16_bytes(_mm512_unpacklo_epi8(ra, rb), &h0, &l0); /* bytes: a, b of columns g = 0, 1 */
+  vi_e4m3_bf16_bytes(_mm512_unpackhi_epi8(ra, rb), &h1, &l1); /* g = 2, 3 */
+  out[0] = _mm512_unpacklo_epi8(l0, h0);
+  out[1] = _mm512_unpackhi_epi8(l0, h0);
+  out[2] = _mm512_unpacklo_epi8(l1, h1);
+  out[3] = _mm512_unpackhi_epi8(l1, h1);
 }
 #endif
 
