@@ -191,7 +191,8 @@ def environment() -> dict:
             return ""
 
     commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    # the results folder itself does not count: a run of several benchmarks rewrites it as it goes
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
     return {
         "device": f"CPU: {model}",
         "cores": os.cpu_count(),
