@@ -19,20 +19,7 @@
 
 #include "pkv_numeric.h"
 #include "pkv_ops.h"
-
-static int g_checks, g_failures;
-
-#define CHECK(cond, ...)                                                     \
-  do {                                                                       \
-    g_checks++;                                                              \
-    if (!(cond)) {                                                           \
-      g_failures++;                                                          \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                          \
-      fprintf(stderr, "\n");                                                 \
-      if (g_failures > 20) abort();                                          \
-    }                                                                        \
-  } while (0)
+#include "check.h"
 
 static uint32_t f32_bits(float x) {
   uint32_t b;

@@ -11,20 +11,7 @@
 #include <stdlib.h>
 
 #include "pkv_cpu_simd.h"
-
-static int g_checks, g_failures;
-
-#define CHECK(cond, ...)                                                     \
-  do {                                                                       \
-    g_checks++;                                                              \
-    if (!(cond)) {                                                           \
-      g_failures++;                                                          \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                          \
-      fprintf(stderr, "\n");                                                 \
-      if (g_failures > 20) abort();                                          \
-    }                                                                        \
-  } while (0)
+#include "check.h"
 
 /* the bf16 bits the scalar decoder's value has (e4m3 values are exact in bf16) */
 static uint16_t want_bits(uint8_t code) { return pkv_f32_to_bf16(pkv_e4m3_to_f32(code)); }
