@@ -203,17 +203,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "pagedkv_cpu_isa": cpu_isa(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "transparent_hugepage": thp_mode(),  # caches come from pagedkv.memory.zeros (madvise)
+        "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
     }
-
-
-def thp_mode() -> str:
-    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "" if unknown."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        return ""
 
 
 # ---------------------------------------------------------------- output

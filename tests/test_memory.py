@@ -18,14 +18,6 @@ from pagedkv import memory
 HUGE = 2 << 20
 
 
-def thp_mode():
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
                                    torch.float8_e5m2])
 def test_zeros_values_shape_alignment(dtype):
@@ -65,7 +57,7 @@ def test_env_turns_it_off(monkeypatch):
     monkeypatch.setattr(memory, "_libc", None)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"),
+@pytest.mark.skipif(not sys.platform.startswith("linux") or memory.thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages not available to madvise here")
 def test_linux_large_tensor_is_advised():
     t = memory.zeros((8 << 20,), dtype=torch.uint8)
@@ -99,5 +91,5 @@ def test_cache_classes_allocate_through_it():
                              dtype=torch.bfloat16)
     for pool in c.k_pools + c.v_pools:
         assert torch.equal(pool, torch.zeros_like(pool))
-        if sys.platform.startswith("linux") and thp_mode() in ("always", "madvise"):
+        if sys.platform.startswith("linux") and memory.thp_mode() in ("always", "madvise"):
             assert memory.huge_pages_requested(pool)

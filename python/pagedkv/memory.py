@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import sys
 
 import torch
 
-__all__ = ["zeros", "huge_pages_requested"]
+__all__ = ["zeros", "huge_pages_requested", "thp_mode"]
 
 _HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) THP size
 _MADV_HUGEPAGE = 14
@@ -45,6 +46,15 @@ def _madvise():
     return _libc or None
 
 
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "" if unknown."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def huge_pages_requested(t: torch.Tensor) -> bool:
     """True when `t` came from `zeros` with MADV_HUGEPAGE applied (its data is 2 MiB aligned)."""
     return bool(getattr(t, "_pagedkv_huge", False))
@@ -57,10 +67,8 @@ def zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     them with 2 MiB pages from the start. PAGEDKV_HUGE_PAGES=0 turns this off.
     """
     device = torch.device(device)
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
     lib = _madvise() if device.type == "cpu" else None
     if lib is None or nbytes < _MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -68,7 +76,7 @@ def zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     start = (raw.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
     advised = lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // _HUGE * _HUGE), _MADV_HUGEPAGE) == 0
     offset = start - raw.data_ptr()
-    t = raw[offset:offset + nbytes].view(dtype).view(tuple(int(s) for s in shape))
+    t = raw[offset:offset + nbytes].view(dtype).view(shape)
     t.zero_()
     t._pagedkv_huge = advised
     return t
