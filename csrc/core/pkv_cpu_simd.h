@@ -255,6 +255,11 @@ static const uint8_t pkv_e4m3_bf16_lo[128] = {PKV_E4M3_BF16(PKV_LO_BYTE)};
 #undef PKV_HI_BYTE
 #undef PKV_LO_BYTE
 
+/* the first n (<= 64) bytes of p, zeros after them; nothing past p + n is read */
+PKV_AI __m512i vi_load_bytes(const uint8_t *p, int n) {
+  return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), p);
+}
+
 /* bf16 bytes of 64 codes already in register c: *hi (with the sign) and *lo. */
 PKV_AI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
   const __m512i *th = (const __m512i *)pkv_e4m3_bf16_hi, *tl = (const __m512i *)pkv_e4m3_bf16_lo;
@@ -273,9 +278,8 @@ PKV_AI void vi_e4m3_to_bf16_64(const uint8_t *p, int n, __m512i *first, __m512i 
                                         55, 54, 53, 52, 51, 50, 49, 48, 23, 22, 21, 20, 19, 18, 17, 16,
                                         47, 46, 45, 44, 43, 42, 41, 40, 15, 14, 13, 12, 11, 10, 9, 8,
                                         39, 38, 37, 36, 35, 34, 33, 32, 7, 6, 5, 4, 3, 2, 1, 0);
-  __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
   __m512i hi, lo;
-  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(m, p)), &hi, &lo);
+  vi_e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, vi_load_bytes(p, n)), &hi, &lo);
   *first = _mm512_unpacklo_epi8(lo, hi);
   *second = _mm512_unpackhi_epi8(lo, hi);
 }
@@ -286,9 +290,8 @@ PKV_AI void vi_e4m3_to_bf16_64(const uint8_t *p, int n, __m512i *first, __m512i 
  * 16g + 4L + i at byte 16L + 4g + i, so the in-lane interleaves end in column order. */
 PKV_AI void vi_e4m3_pairs_64(const uint8_t *a, const uint8_t *b, int n, __m512i out[4]) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
-  __m512i ra = _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi8(m, a));
-  __m512i rb = _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi8(m, b));
+  __m512i ra = _mm512_permutexvar_epi32(order, vi_load_bytes(a, n));
+  __m512i rb = _mm512_permutexvar_epi32(order, vi_load_bytes(b, n));
   __m512i h0, l0, h1, l1;
   vi_e4m3_bf16_bytes(_mm512_unpacklo_epi8(ra, rb), &h0, &l0); /* bytes: a, b of columns g = 0, 1 */
   vi_e4m3_bf16_bytes(_mm512_unpackhi_epi8(ra, rb), &h1, &l1); /* g = 2, 3 */
