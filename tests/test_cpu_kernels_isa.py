@@ -87,6 +87,12 @@ def attn_cases():
         for softcap in (0.0, 5.0):
             cases.append(dict(d=128, p=32, gqa=4, cdt=cdt, qdt=torch.bfloat16, group=128, new=[1, 1, 1],
                               cached=[200, 77, 16], hk=3, softcap=softcap))
+    # decode where 16-key K blocks are not evenly spaced (pages under 16 slots, short blocks): the AMX
+    # decode scores every head of the item per key, heads in groups of 16 // gqa columns. Groups of
+    # 1 to 3 heads, several groups, odd key counts, and more than 16 KV heads (the row-copy path)
+    for p, gqa, hk, d in ((1, 4, 8, 128), (8, 8, 6, 64), (1, 3, 7, 96), (4, 5, 4, 128), (1, 1, 20, 64)):
+        cases.append(dict(d=d, p=p, gqa=gqa, cdt=torch.bfloat16, qdt=torch.bfloat16, group=128, new=[1, 1],
+                          cached=[100, 33], hk=hk))
     # long decode: few items -> split-KV with a log-sum-exp merge
     for cdt in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for qdt in (torch.float32, torch.bfloat16):

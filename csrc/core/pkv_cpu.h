@@ -47,6 +47,8 @@ typedef struct {
   uint16_t *pb;                            /* [nqa, KEYS] probabilities as bf16 (AMX) */
   uint32_t *vb;                            /* [KEYS/2, pad(dv)] V tile as bf16 key pairs (AMX) */
   uint32_t *qt;                            /* [nqa, pad(d/2)] Q^T per KV head, bf16 pairs (AMX decode) */
+  uint32_t *qa;                            /* [pad(d/2), nqa + 16] Q^T of all heads, word-major (AMX decode) */
+  float *sk;                               /* [nqa, KEYS] scores as [KV head][key][query] (AMX decode) */
 } pkv_cpu_attn_scratch;
 
 typedef struct {
