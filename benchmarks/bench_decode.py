@@ -78,7 +78,9 @@ def run_case(c, args, with_peers=True, with_fp8=True, label=""):
     t = {n: common.median(x) for n, x in s.items()}
     kv_bytes = 2 * B * L * Hk * D * 2
     io_bytes = 2 * B * Hq * D * 2
+    llc = common.last_level_cache_bytes()
     row = dict(case=label or f"B={B} L={L} {Hq}/{Hk} D={D} P={P}", B=B, L=L, P=P, Hq=Hq, Hk=Hk, D=D,
+               kv_MiB=kv_bytes / 2**20, kv_fits_llc=llc is not None and kv_bytes <= llc,
                bf16_ms=t["pagedkv_bf16"] * 1e3, bf16_gbps=(kv_bytes + io_bytes) / t["pagedkv_bf16"] / 1e9,
                samples={n: x for n, x in s.items()})
     if with_fp8:
@@ -126,7 +128,7 @@ def main():
             "vs_sdpa", "fp8_speedup"]
     print(f"\ncopy ceiling {ceiling['gbps']:.2f} GB/s (before {ceiling['before_gbps']:.2f}, after {ceiling['after_gbps']:.2f})")
     common.print_table(rows, cols)
-    scols = ["case", "bf16_ms", "fp8_ms", "bf16_gbps", "bf16_pct_copy", "fp8_speedup", "vs_page16"]
+    scols = ["case", "kv_MiB", "kv_fits_llc", "bf16_ms", "fp8_ms", "bf16_gbps", "bf16_pct_copy", "fp8_speedup", "vs_page16"]
     if sweep:
         print()
         common.print_table(sweep, scols)

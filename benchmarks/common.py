@@ -12,7 +12,8 @@ Method (every script):
   measured in the same process before the benchmark and again after it (the ratio uses the max).
 - Page tables are random permutations of the physical pages (seeded) unless a row says identity.
 - Caches are warm (no flush between repetitions); on CPU a KV pool larger than the last-level
-  cache is what makes a row memory-bound, and rows say which.
+  cache is what makes a row memory-bound: the environment gives the last-level cache size and the
+  decode rows their KV bytes (kv_MiB, kv_fits_llc).
 - Results: JSON (every sample), Markdown table and optional PNG (matplotlib Agg) in
   benchmarks/results/, with device, date, commit, torch version and the pagedkv CPU ISA.
 """
@@ -173,6 +174,23 @@ def cpu_isa() -> str:
     return best
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's last-level cache from sysfs (None where unknown). A KV pool below it can be
+    served from that cache in warm repetitions, so a row that fits is not a DRAM-bound measurement."""
+    best_level, size = 0, None
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            level = int(open(os.path.join(d, "level")).read())
+            text = open(os.path.join(d, "size")).read().strip().upper()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        value = int(text.rstrip("KMG")) * mult
+        if level > best_level:
+            best_level, size = level, value
+    return size
+
+
 def environment() -> dict:
     model = platform.processor()
     try:
@@ -204,6 +222,7 @@ def environment() -> dict:
         "pagedkv_cpu_isa": cpu_isa(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
+        "last_level_cache_MiB": (lambda b: None if b is None else b / 2**20)(last_level_cache_bytes()),
     }
 
 
