@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import glob
 import json
 import os
@@ -174,6 +175,7 @@ def cpu_isa() -> str:
     return best
 
 
+@functools.lru_cache(maxsize=None)
 def last_level_cache_bytes() -> int | None:
     """Size of the CPU's last-level cache from sysfs (None where unknown). A KV pool below it can be
     served from that cache in warm repetitions, so a row that fits is not a DRAM-bound measurement."""
@@ -209,6 +211,7 @@ def environment() -> dict:
             return ""
 
     commit = git("rev-parse", "HEAD")
+    llc = last_level_cache_bytes()
     # the results folder itself does not count: a run of several benchmarks rewrites it as it goes
     dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"))
     return {
@@ -222,7 +225,7 @@ def environment() -> dict:
         "pagedkv_cpu_isa": cpu_isa(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
-        "last_level_cache_MiB": (lambda b: None if b is None else b / 2**20)(last_level_cache_bytes()),
+        "last_level_cache_MiB": llc / 2**20 if llc is not None else None,
     }
 
 
