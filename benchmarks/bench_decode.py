@@ -146,7 +146,7 @@ def main():
     common.print_targets(targets)
     if args.no_write:
         return
-    stem = args.out or ("decode_cpu_quick" if args.quick else "decode_cpu")
+    stem = args.out or common.result_stem("decode", args.quick, args.cold)
 
     def plot(path):
         import matplotlib.pyplot as plt
@@ -171,7 +171,8 @@ def main():
             ax.set_ylabel("GB/s")
             ax.set_title("decode page-size sweep, B=4 L=4k 32/8 D=128", fontsize=9)
             ax.legend(fontsize=8)
-        fig.suptitle(f"{env['device']}, {env['threads']} threads, {env['date'][:10]}", fontsize=9)
+        fig.suptitle(f"{env['device']}, {env['threads']} threads, {env['caches'].split(':')[0]} caches, {env['date'][:10]}",
+                     fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 

@@ -87,7 +87,7 @@ def main():
     if args.no_write:
         return
 
-    common.write_results(args.out or ("load_cpu_quick" if args.quick else "load_cpu"), "pagedkv CPU paged_load",
+    common.write_results(args.out or common.result_stem("load", args.quick, args.cold), "pagedkv CPU paged_load",
                          __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets,
                          common.bandwidth_plot(rows, ceiling, env, "paged_load"))
 

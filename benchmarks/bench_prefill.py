@@ -101,7 +101,7 @@ def main():
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
-    common.write_results(args.out or ("prefill_cpu_quick" if args.quick else "prefill_cpu"), "pagedkv CPU causal prefill",
+    common.write_results(args.out or common.result_stem("prefill", args.quick, args.cold), "pagedkv CPU causal prefill",
                          __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets, plot)
 
 

@@ -111,7 +111,7 @@ def main():
     if args.no_write:
         return
 
-    common.write_results(args.out or ("store_cpu_quick" if args.quick else "store_cpu"), "pagedkv CPU paged_store",
+    common.write_results(args.out or common.result_stem("store", args.quick, args.cold), "pagedkv CPU paged_store",
                          __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets,
                          common.bandwidth_plot(rows, ceiling, env, "paged_store"))
 

@@ -11,9 +11,12 @@ Method (every script):
 - Ceiling: a >= 512 MiB uint8 tensor copy (dst.copy_(src)), bytes read + written / median time,
   measured in the same process before the benchmark and again after it (the ratio uses the max).
 - Page tables are random permutations of the physical pages (seeded) unless a row says identity.
-- Caches are warm (no flush between repetitions); on CPU a KV pool larger than the last-level
-  cache is what makes a row memory-bound: the environment gives the last-level cache size and the
-  decode rows their KV bytes (kv_MiB, kv_fits_llc).
+- Caches: warm by default (no flush between repetitions); a KV pool larger than the last-level
+  cache is then what makes a row memory-bound: the environment gives the last-level cache size and
+  the decode rows their KV bytes (kv_MiB, kv_fits_llc). With --cold, a buffer of twice the
+  last-level cache (at least 256 MiB) is read before every timed call, ceiling included, so every
+  call starts with its data in DRAM, as after the weight reads of the rest of a model's layer;
+  that read is not timed. Cold results get a _cold suffix.
 - Results: JSON (every sample), Markdown table and optional PNG (matplotlib Agg) in
   benchmarks/results/, with device, date, commit, torch version and the pagedkv CPU ISA.
 """
@@ -59,7 +62,24 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="result file stem in benchmarks/results/ (default: script name)")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold", action="store_true",
+                   help="read 2x the last-level cache before every timed call (DRAM-cold data); results get _cold")
     return p
+
+
+def result_stem(name: str, quick: bool, cold: bool) -> str:
+    """benchmarks/results/ file stem of a CPU benchmark run, e.g. decode_cpu_quick_cold."""
+    return f"{name}_cpu" + ("_quick" if quick else "") + ("_cold" if cold else "")
+
+
+# Read before every timed call in --cold mode (setup); None: warm caches.
+_cold_buffer: Optional[torch.Tensor] = None
+
+
+def cold_buffer_bytes() -> int:
+    """Bytes read between timed calls in --cold mode: 2x the last-level cache, at least 256 MiB."""
+    llc = last_level_cache_bytes() or 0
+    return max(2 * llc, 256 << 20)
 
 
 def setup(args) -> None:
@@ -68,13 +88,17 @@ def setup(args) -> None:
     args.reps = max(args.reps, MIN_REPS)
     args.ceiling_mib = max(args.ceiling_mib, 512)
     torch.manual_seed(args.seed)
+    global _cold_buffer
+    # float32 zeros: summed between calls (a read that evicts the caches and leaves no dirty lines)
+    _cold_buffer = torch.zeros(cold_buffer_bytes() // 4, dtype=torch.float32) if args.cold else None
 
 
 # ---------------------------------------------------------------- timing
 
 
 def time_interleaved(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int) -> Dict[str, List[float]]:
-    """Seconds per call for each candidate: warm-up, then `reps` round-robin rounds."""
+    """Seconds per call for each candidate: warm-up, then `reps` round-robin rounds (in --cold
+    mode each timed call comes right after an untimed read of the cold buffer)."""
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
@@ -83,6 +107,8 @@ def time_interleaved(candidates: Dict[str, Callable[[], object]], reps: int, war
     for r in range(reps):
         order = names[r % len(names):] + names[: r % len(names)]  # rotate who goes first
         for n in order:
+            if _cold_buffer is not None:
+                _cold_buffer.sum()
             t0 = time.perf_counter()
             candidates[n]()
             samples[n].append(time.perf_counter() - t0)
@@ -226,6 +252,8 @@ def environment() -> dict:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
         "last_level_cache_MiB": llc / 2**20 if llc is not None else None,
+        "caches": (f"cold: {_cold_buffer.numel() * 4 >> 20} MiB read before every timed call" if _cold_buffer is not None
+                   else "warm: no flush between calls"),
     }
 
 
@@ -274,7 +302,7 @@ def bandwidth_plot(rows: List[dict], ceiling: dict, env: dict, op: str) -> Calla
         ax.set_xticks(list(x), [r["case"] for r in rows], fontsize=7, rotation=15)
         ax.set_ylabel("GB/s (read + written)")
         ax.legend(fontsize=8)
-        ax.set_title(f"{op}, {env['device']}, {env['threads']} threads", fontsize=9)
+        ax.set_title(f"{op}, {env['device']}, {env['threads']} threads, {env['caches'].split(':')[0]} caches", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 

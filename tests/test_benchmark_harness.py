@@ -1,0 +1,72 @@
+"""The CPU benchmark harness's own rules (benchmarks/common.py): interleaved timing, the --cold
+read before every timed call, result file names. The figures themselves are not tested here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+common = pytest.importorskip("common")
+
+
+def test_interleaved_rounds_rotate_and_count():
+    calls = []
+    samples = common.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=4, warmup=2)
+    assert [len(samples["a"]), len(samples["b"])] == [4, 4]
+    assert calls[:4] == ["a", "a", "b", "b"]  # warm-up, then one call each per round, first mover rotating
+    assert calls[4:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert all(t >= 0 for t in samples["a"] + samples["b"])
+
+
+def test_cold_mode_reads_the_buffer_before_every_timed_call(monkeypatch):
+    class Recorder:  # stands in for the cold buffer: counts the reads
+        reads = 0
+
+        def sum(self):
+            Recorder.reads += 1
+
+    monkeypatch.setattr(common, "_cold_buffer", Recorder())
+    seen = []
+    common.time_interleaved({"x": lambda: seen.append(Recorder.reads), "y": lambda: None}, reps=3, warmup=2)
+    # no read before the warm-up calls; one right before each of the 6 timed calls
+    # (rounds run x y, y x, x y: x is timed after reads 1, 4 and 5)
+    assert Recorder.reads == 6
+    assert seen == [0, 0, 1, 4, 5]
+
+
+def test_warm_mode_leaves_caches_alone(monkeypatch):
+    monkeypatch.setattr(common, "_cold_buffer", None)
+    assert common.time_interleaved({"x": lambda: None}, reps=2, warmup=0)["x"]
+
+
+def test_cold_buffer_exceeds_the_last_level_cache():
+    llc = common.last_level_cache_bytes()
+    size = common.cold_buffer_bytes()
+    assert size >= 256 << 20
+    if llc:
+        assert size >= 2 * llc
+
+
+def test_setup_allocates_the_cold_buffer_only_with_cold(monkeypatch):
+    monkeypatch.setattr(common, "_cold_buffer", None)
+    monkeypatch.setattr(common, "cold_buffer_bytes", lambda: 1 << 20)
+    threads = torch.get_num_threads()
+    args = common.base_parser("t").parse_args(["--cold", "--reps", "3"])
+    common.setup(args)
+    assert common._cold_buffer is not None and common._cold_buffer.numel() * 4 == 1 << 20
+    assert args.reps == common.MIN_REPS and args.ceiling_mib >= 512
+    assert common.environment()["caches"].startswith("cold")
+    common.setup(common.base_parser("t").parse_args([]))
+    assert common._cold_buffer is None
+    assert common.environment()["caches"].startswith("warm")
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("quick,cold,stem", [(True, False, "decode_cpu_quick"), (False, False, "decode_cpu"),
+                                             (True, True, "decode_cpu_quick_cold"), (False, True, "decode_cpu_cold")])
+def test_result_stems(quick, cold, stem):
+    assert common.result_stem("decode", quick, cold) == stem
