@@ -70,3 +70,27 @@ def test_setup_allocates_the_cold_buffer_only_with_cold(monkeypatch):
                                              (True, True, "decode_cpu_quick_cold"), (False, True, "decode_cpu_cold")])
 def test_result_stems(quick, cold, stem):
     assert common.result_stem("decode", quick, cold) == stem
+
+
+def test_page_read_probe_builds_and_reports_every_mode(tmp_path):
+    """benchmarks/probes/page_read.c (the bare-read bound quoted in README): builds warning-free and
+    prints a positive median for the copy ceiling and each read mode."""
+    import re
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if "avx2" not in common.cpu_isa() and not common.cpu_isa().startswith(("avx512", "amx")):
+        pytest.skip("the probe reads with AVX2 loads")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes", "page_read.c")
+    exe = tmp_path / "page_read"
+    subprocess.run([cc, "-O2", "-mavx2", "-Wall", "-Wextra", "-Werror", "-pthread", src, "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe), "4", "8", "2", "1"], check=True, capture_output=True, text=True).stdout
+    rows = dict(re.findall(r"^((?:copy|read) [^\n]*?)\s+median\s+([0-9.]+) GB/s", out, re.M))
+    assert set(rows) == {"copy (read + write)", "read random pages", "read pages in order", "read random + prefetch",
+                         "read random, 4 at once"}, out
+    assert all(float(v) > 0 for v in rows.values()), out
+    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
