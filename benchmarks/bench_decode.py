@@ -171,7 +171,7 @@ def main():
             ax.set_ylabel("GB/s")
             ax.set_title("decode page-size sweep, B=4 L=4k 32/8 D=128", fontsize=9)
             ax.legend(fontsize=8)
-        fig.suptitle(f"{env['device']}, {env['threads']} threads, {env['caches'].split(':')[0]} caches, {env['date'][:10]}",
+        fig.suptitle(f"{env['device']}, {env['threads']} threads, {env['caches']} caches, {env['date'][:10]}",
                      fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -67,9 +67,14 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def run_suffix(quick: bool, cold: bool) -> str:
+    """What a run's mode adds to its result file names (the per-benchmark files and run_all's summary)."""
+    return ("_quick" if quick else "") + ("_cold" if cold else "")
+
+
 def result_stem(name: str, quick: bool, cold: bool) -> str:
     """benchmarks/results/ file stem of a CPU benchmark run, e.g. decode_cpu_quick_cold."""
-    return f"{name}_cpu" + ("_quick" if quick else "") + ("_cold" if cold else "")
+    return f"{name}_cpu" + run_suffix(quick, cold)
 
 
 # Read before every timed call in --cold mode (setup); None: warm caches.
@@ -252,8 +257,8 @@ def environment() -> dict:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
         "last_level_cache_MiB": llc / 2**20 if llc is not None else None,
-        "caches": (f"cold: {_cold_buffer.numel() * 4 >> 20} MiB read before every timed call" if _cold_buffer is not None
-                   else "warm: no flush between calls"),
+        "caches": "warm" if _cold_buffer is None else "cold",  # see the method above
+        "cold_read_MiB": None if _cold_buffer is None else _cold_buffer.numel() * _cold_buffer.element_size() >> 20,
     }
 
 
@@ -302,7 +307,7 @@ def bandwidth_plot(rows: List[dict], ceiling: dict, env: dict, op: str) -> Calla
         ax.set_xticks(list(x), [r["case"] for r in rows], fontsize=7, rotation=15)
         ax.set_ylabel("GB/s (read + written)")
         ax.legend(fontsize=8)
-        ax.set_title(f"{op}, {env['device']}, {env['threads']} threads, {env['caches'].split(':')[0]} caches", fontsize=9)
+        ax.set_title(f"{op}, {env['device']}, {env['threads']} threads, {env['caches']} caches", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from common import result_stem
+from common import result_stem, run_suffix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = ["bench_decode.py", "bench_prefill.py", "bench_store.py", "bench_load.py"]
@@ -51,7 +51,7 @@ def main():
             lines.append(f"| {stem} | {t['target']} | {t['measured']:.3g} | {'yes' if t['met'] else 'no'} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    summary = "summary" + ("_quick" if args.quick else "") + ("_cold" if args.cold else "") + ".md"
+    summary = "summary" + run_suffix(args.quick, args.cold) + ".md"
     with open(os.path.join(HERE, "results", summary), "w") as f:
         f.write(text)
     if failed:

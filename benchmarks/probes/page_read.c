@@ -34,7 +34,15 @@ typedef struct {
   float sum;
 } read_job;
 
-#define MODES 5 /* copy, random pages, pages in order, random pages with software prefetch, 4 at once */
+/* Mode 0 is the memcpy ceiling; the others read the pool. */
+static const struct {
+  const char *name;
+  int random_order, streams, prefetch; /* see read_job */
+} modes[] = {
+    {"copy (read + write)", 0, 0, 0},    {"read random pages", 1, 1, 0}, {"read pages in order", 0, 1, 0},
+    {"read random + prefetch", 1, 1, 1}, {"read random, 4 at once", 1, 4, 0},
+};
+#define MODES (int)(sizeof modes / sizeof modes[0])
 
 static double now(void) {
   struct timespec t;
@@ -105,9 +113,8 @@ int main(int argc, char **argv) {
   float *ev = aligned_alloc(4096, evict_bytes);
   int64_t *random_order = malloc((size_t)pages * sizeof *random_order);
   int64_t *in_order = malloc((size_t)pages * sizeof *in_order);
-  double *t[MODES];
-  for (int m = 0; m < MODES; m++) t[m] = malloc((size_t)reps * sizeof(double));
-  if (!pool || !src || !dst || !ev || !random_order || !in_order || !t[0] || !t[1] || !t[2] || !t[3] || !t[4]) {
+  double *t = malloc((size_t)MODES * (size_t)reps * sizeof *t); /* t[mode * reps + round] */
+  if (!pool || !src || !dst || !ev || !random_order || !in_order || !t) {
     fprintf(stderr, "out of memory\n");
     return 1;
   }
@@ -142,8 +149,8 @@ int main(int argc, char **argv) {
         read_job j[64];
         for (int x = 0; x < threads; x++) {
           int64_t lo = pages * x / threads, hi = pages * (x + 1) / threads;
-          j[x] = (read_job){pool, mode == 2 ? in_order : random_order, lo, hi - lo, page_bytes, mode == 4 ? 4 : 1,
-                             mode == 3, 0};
+          const int64_t *order = modes[mode].random_order ? random_order : in_order;
+          j[x] = (read_job){pool, order, lo, hi - lo, page_bytes, modes[mode].streams, modes[mode].prefetch, 0};
           pthread_create(&th[x], NULL, read_pages, &j[x]);
         }
         for (int x = 0; x < threads; x++) {
@@ -151,22 +158,22 @@ int main(int argc, char **argv) {
           sink += j[x].sum;
         }
       }
-      t[mode][r] = now() - t0;
+      t[mode * reps + r] = now() - t0;
     }
   }
-  const char *names[MODES] = {"copy (read + write)", "read random pages", "read pages in order",
-                              "read random + prefetch", "read random, 4 at once"};
-  double pool_total = (double)(pages * page_bytes), bytes[MODES] = {2.0 * (double)copy_bytes, pool_total, pool_total,
-                                                                    pool_total, pool_total};
-  double gbps[MODES];
+  double copy_gbps = 0;
   printf("page %lld KiB, pool %lld MiB, %d threads, %d reps, 1 GiB read before every call\n",
          (long long)(page_bytes >> 10), (long long)(pool_bytes >> 20), threads, reps);
   for (int m = 0; m < MODES; m++) {
-    qsort(t[m], (size_t)reps, sizeof(double), cmp_double);
-    gbps[m] = bytes[m] / t[m][reps / 2] / 1e9;
-    printf("%-22s median %6.2f GB/s  (best %6.2f, worst %6.2f)", names[m], gbps[m], bytes[m] / t[m][0] / 1e9,
-           bytes[m] / t[m][reps - 1] / 1e9);
-    if (m) printf("  %5.1f%% of copy", 100.0 * gbps[m] / gbps[0]);
+    double *tm = t + m * reps, bytes = m ? (double)(pages * page_bytes) : 2.0 * (double)copy_bytes;
+    qsort(tm, (size_t)reps, sizeof *tm, cmp_double);
+    double gbps = bytes / tm[reps / 2] / 1e9;
+    printf("%-22s median %6.2f GB/s  (best %6.2f, worst %6.2f)", modes[m].name, gbps, bytes / tm[0] / 1e9,
+           bytes / tm[reps - 1] / 1e9);
+    if (m)
+      printf("  %5.1f%% of copy", 100.0 * gbps / copy_gbps);
+    else
+      copy_gbps = gbps;
     printf("\n");
   }
   return sink == 12345.0f; /* keeps the sums alive */
