@@ -130,9 +130,17 @@ def test_too_old_transformers_is_refused_by_name(version):
         phf.check_transformers_version(version)
 
 
-@pytest.mark.parametrize("version", ["4.57.0", "4.57.6", "5.0.0", "5.24.0", "5.24.0.dev0"])
+@pytest.mark.parametrize("version", ["4.57.0", "4.57.0rc1", "4.57.6", "5.0.0", "5.24.0", "5.24.0.dev0"])
 def test_supported_versions_pass(version):
     assert phf.check_transformers_version(version) == version
+
+
+def test_missing_hook_is_named_with_the_version(monkeypatch):
+    from transformers import modeling_utils
+
+    monkeypatch.delattr(modeling_utils, "AttentionInterface")
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__} lacks AttentionInterface"):
+        phf.check_transformers_version()
 
 
 def test_ci_tests_the_pinned_versions():

@@ -28,8 +28,10 @@ transformers' own ``generate_batch`` accepts only its listed implementations (``
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -64,14 +66,13 @@ POOL_GROWTH = 2
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) from a version string: "5.24.0.dev0" -> (5, 24, 0), "4.57.0rc1" -> (4, 57, 0)."""
     parts = []
     for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
-        if not piece.isdigit():
-            break
+        parts.append(int(digits.group()))
     return tuple(parts)
 
 
@@ -90,14 +91,19 @@ def check_transformers_version(version: str | None = None) -> str:
             f"AttentionMaskInterface and per-layer Cache objects); installed transformers {version}: "
             "pip install -U 'transformers>=4.57'"
         )
-    missing = [name for name in ("AttentionInterface",) if not hasattr(transformers, name)]
-    try:
-        from transformers import cache_utils, masking_utils
-
-        missing += [n for n in ("AttentionMaskInterface", "flash_attention_mask") if not hasattr(masking_utils, n)]
-        missing += [n for n in ("Cache", "CacheLayerMixin") if not hasattr(cache_utils, n)]
-    except ImportError:
-        missing.append("transformers.masking_utils / transformers.cache_utils")
+    hooks = {
+        "modeling_utils": ("AttentionInterface",),
+        "masking_utils": ("AttentionMaskInterface", "flash_attention_mask"),
+        "cache_utils": ("Cache", "CacheLayerMixin"),
+    }
+    missing = []
+    for module_name, names in hooks.items():
+        try:
+            module = importlib.import_module(f"transformers.{module_name}")
+        except ImportError:
+            missing.append(f"transformers.{module_name}")
+            continue
+        missing += [name for name in names if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"pagedkv.hf: transformers {version} lacks {', '.join(missing)}")
     return version
