@@ -335,8 +335,13 @@ def test_generate_batch_stops_at_eos(saved_models):
     path = saved_models["llama"]
     prompt = [5, 6, 7, 8]
     first = greedy(load(path, "sdpa"), torch.tensor([prompt]), torch.ones(1, 4, dtype=torch.int64), 6)[0].tolist()
-    got = phf.generate_batch(load(path, "pagedkv"), [prompt], max_new_tokens=6, eos_token_id=first[2])
+    model = load(path, "pagedkv")
+    got = phf.generate_batch(model, [prompt], max_new_tokens=6, eos_token_id=first[2])
     assert got == [first[: first.index(first[2]) + 1]]
+    config = transformers.GenerationConfig(max_new_tokens=6, eos_token_id=first[2], do_sample=False)
+    assert phf.generate_batch(model, [prompt], generation_config=config) == got
+    with pytest.raises(ValueError, match="do_sample must be False"):
+        phf.generate_batch(model, [prompt], generation_config=transformers.GenerationConfig(do_sample=True))
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

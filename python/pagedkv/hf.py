@@ -591,8 +591,9 @@ class TransformersPagedModel:
 def generate_batch(
     model,
     inputs: Sequence[Sequence[int]],
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     *,
+    generation_config=None,
     eos_token_id: int | Sequence[int] | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
@@ -602,7 +603,12 @@ def generate_batch(
     progress: bool = False,
 ) -> list[list[int]]:
     """Greedy continuous batching of ``inputs`` (token id lists) with a transformers model on
-    pagedkv's page manager, cache and kernels; returns the generated ids of each input.
+    pagedkv's page manager, cache and kernels; returns the generated ids of each input (ending
+    with the EOS token when one stopped it).
+
+    max_new_tokens / eos_token_id default to ``generation_config`` (a transformers
+    GenerationConfig, as for transformers' own ``generate_batch``), then to the model's
+    ``generation_config``, then to 32 / none (``eos_token_id=[]``: never stop early). Sampling is not supported (``do_sample`` must be False).
 
     Requests are admitted while their prefill fits ``max_prefill_tokens`` and pages are free;
     decode and prefill rows share each forward; a request that runs out of pages is preempted
@@ -612,6 +618,16 @@ def generate_batch(
 
     if not inputs:
         return []
+    for source in (generation_config, getattr(model, "generation_config", None)):
+        if source is None:
+            continue
+        if source is generation_config and getattr(source, "do_sample", False):
+            raise ValueError("generate_batch: generation_config.do_sample must be False (greedy decoding only)")
+        if max_new_tokens is None:
+            max_new_tokens = getattr(source, "max_new_tokens", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(source, "eos_token_id", None)
+    max_new_tokens = 32 if max_new_tokens is None else max_new_tokens
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     prompts = [[int(t) for t in ids] for ids in inputs]
@@ -620,8 +636,6 @@ def generate_batch(
             raise ValueError(f"inputs[{i}] is empty: every request needs at least one prompt token")
     config = _text_config(model)
     num_layers, num_kv_heads, head_dim = _model_dims(config)
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     longest = max(len(p) for p in prompts) + max_new_tokens
     if num_pages is None:
