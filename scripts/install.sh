@@ -11,7 +11,8 @@ PY="${PYTHON:-python3}"
 step() { printf '\n==> %s\n' "$*"; }
 
 # transformers lines pagedkv.hf is tested with (python/pagedkv/hf.py TESTED_VERSIONS): the newest
-# is installed here; scripts/test.sh also runs tests/test_hf.py against the older line in a venv.
+# is installed here; scripts/test.sh also runs tests/test_hf.py against the older line (requests:
+# the older line's huggingface-hub needs it).
 TRANSFORMERS_NEWEST="transformers==5.24.0"
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -23,9 +24,9 @@ fi
 step "installing Python dependencies ($what)"
 pkgs=(numpy setuptools wheel)
 case "$what" in
-  test) pkgs+=(pytest hypothesis gguf "$TRANSFORMERS_NEWEST" accelerate tokenizers matplotlib tqdm) ;;
+  test) pkgs+=(pytest hypothesis gguf "$TRANSFORMERS_NEWEST" accelerate tokenizers matplotlib tqdm requests) ;;
   demo) pkgs+=(gguf "$TRANSFORMERS_NEWEST" accelerate tokenizers matplotlib tqdm) ;;
-  all) pkgs+=(pytest hypothesis gguf "$TRANSFORMERS_NEWEST" accelerate tokenizers matplotlib tqdm) ;;
+  all) pkgs+=(pytest hypothesis gguf "$TRANSFORMERS_NEWEST" accelerate tokenizers matplotlib tqdm requests) ;;
 esac
 # torch is pinned to the one installed so no dependency pulls another build
 torch_version=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")

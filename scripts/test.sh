@@ -18,16 +18,15 @@ fi
 printf '\n==> Python test suite\n'
 python3 -m pytest -q -ra tests
 
-# pagedkv.hf on the older transformers line it supports (the newest ran in the suite above), in a
-# venv that sees this machine's packages (torch, pagedkv) and overrides only transformers.
-TRANSFORMERS_OLDER="transformers==4.57.6"
-printf '\n==> transformers integration against %s\n' "$TRANSFORMERS_OLDER"
-venv=.venv-transformers-older
-python3 -m venv --system-site-packages "$venv"
-torch_version=$(python3 -c "import torch; print(torch.__version__.split('+')[0])")
-"$venv/bin/python" -m pip install -q "$TRANSFORMERS_OLDER" "torch==${torch_version}"
-"$venv/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf.py
+# pagedkv.hf on the older transformers line it supports (the newest ran in the suite above):
+# that transformers and the hub/tokenizers versions it needs go to a folder put first on
+# PYTHONPATH, so everything else (torch, pagedkv) is what this machine has, venv or not.
+TRANSFORMERS_OLDER=(transformers==4.57.6 huggingface-hub==0.36.2 tokenizers==0.22.2)
+printf '\n==> transformers integration against %s\n' "${TRANSFORMERS_OLDER[0]}"
+older=.deps/transformers-older
+rm -rf "$older"
+python3 -m pip install -q --no-deps --target "$older" "${TRANSFORMERS_OLDER[@]}"
+PYTHONPATH="$older${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/test_hf.py
 
 # The suite above runs the CPU kernels the machine picks (AMX or AVX-512 here); the seeded fuzz
 # suite is cheap, so it also runs on every other kernel path (the ISA is fixed per process).
