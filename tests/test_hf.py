@@ -470,3 +470,16 @@ def test_smollm2_fp8_kv_agreement(smollm2, kv_dtype, record_property):
     # Measured on 2026-11-24 over 96 teacher-forced tokens: e4m3 0.95, e5m2 0.89 (transformers 5.24);
     # e4m3 0.89, e5m2 0.88 (4.57, whose GGUF tokenizer renders the chat prompts differently).
     assert report["top1_agreement_with_full_precision"] >= (0.85 if kv_dtype == torch.float8_e4m3fn else 0.8)
+
+
+@needs_smollm2
+def test_example_script_runs_and_matches_sdpa():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, os.path.join(root, "examples", "hf_generate.py"), "--check",
+                             "--max-new-tokens", "6"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "model.generate tokens identical to transformers' sdpa" in result.stdout
+    assert "The capital of France is" in result.stdout
