@@ -122,6 +122,8 @@ def test_registered_with_transformers():
 
 def test_installed_version_is_supported():
     assert phf.check_transformers_version() == transformers.__version__
+    major = phf._version_tuple(transformers.__version__)[0]
+    assert phf.transformers_continuous_batching_supported() == (major >= 5)
 
 
 @pytest.mark.parametrize("version", ["4.40.2", "4.56.1", "3.5.1"])
@@ -331,6 +333,69 @@ def test_generate_batch_identical_to_sdpa_generate(saved_models, family, page_si
     assert got == expected
 
 
+def transformers_generate_batch(model, prompts, new_tokens):
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
+                                           eos_token_id=model.generation_config.eos_token_id)
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+    outputs = [results[key] for key in sorted(results, key=lambda k: int(str(k).rsplit("_", 1)[-1]))]
+    assert not [r.error for r in outputs if getattr(r, "error", None)]
+    return [list(r.generated_tokens) for r in outputs]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_transformers_generate_batch_runs_on_pagedkv_attention(saved_models, family):
+    """transformers' own continuous batching (its scheduler and paged cache) with the model left on
+    attn_implementation="pagedkv": tokens equal to each prompt's own sdpa generate."""
+    model = load(saved_models[family], "pagedkv")
+    if not phf.transformers_continuous_batching_supported():
+        pytest.skip(f"transformers {transformers.__version__}'s generate_batch runs only its own paged implementations")
+    prompts = [[5, 6, 7], [8, 9], list(range(10, 31)), [40] * 12]
+    sdpa = load(saved_models[family], "sdpa")
+    expected = [greedy(sdpa, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.int64), 8, stop_at_eos=True)
+                [0].tolist() for p in prompts]
+    assert transformers_generate_batch(model, prompts, 8) == expected
+    assert model.config._attn_implementation == phf.IMPLEMENTATION
+
+
+def test_varlen_call_matches_per_sequence_attention(saved_models):
+    """A packed call (cu_seq_lens_q/k, as transformers' continuous batching makes) against
+    attention computed per sequence; a padding tail after the last sequence gives zeros."""
+    gen = torch.Generator().manual_seed(9)
+    module = load(saved_models["llama"], "pagedkv").model.layers[0].self_attn
+    q_lens, k_lens = [3, 1, 5], [7, 4, 5]
+    cu_q = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 11, 16], dtype=torch.int32)
+    query = torch.randn(1, 4, 11, 16, generator=gen)  # 2 padding queries at the end
+    key, value = torch.randn(1, 2, 16, 16, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
+    out, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu_q,
+                                   cu_seq_lens_k=cu_k)
+    for b in range(3):
+        q = query[0, :, cu_q[b]:cu_q[b + 1]]
+        k = key[0, :, cu_k[b]:cu_k[b + 1]].repeat_interleave(2, dim=0)
+        v = value[0, :, cu_k[b]:cu_k[b + 1]].repeat_interleave(2, dim=0)
+        bias = torch.full((q_lens[b], k_lens[b]), float("-inf")).triu(k_lens[b] - q_lens[b] + 1)
+        expected = torch.softmax(q @ k.transpose(1, 2) * 0.25 + bias, dim=-1) @ v
+        torch.testing.assert_close(out[0, cu_q[b]:cu_q[b + 1]], expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0, 9:], torch.zeros_like(out[0, 9:]))
+
+
+def test_other_implementations_keep_transformers_continuous_batching_rules(saved_models):
+    """The hook that lets "pagedkv" through transformers' manager leaves other models alone: an
+    implementation transformers' continuous batching does not know is still refused by it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("test_unknown_to_continuous_batching", sdpa_attention_forward)
+    AttentionMaskInterface.register("test_unknown_to_continuous_batching", sdpa_mask)
+    model = load(saved_models["llama"], "test_unknown_to_continuous_batching")
+    if not phf.transformers_continuous_batching_supported():
+        pytest.skip(f"transformers {transformers.__version__}'s generate_batch runs only its own paged implementations")
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        transformers_generate_batch(model, [[5, 6, 7]], 2)
+
+
 def test_generate_batch_stops_at_eos(saved_models):
     path = saved_models["llama"]
     prompt = [5, 6, 7, 8]
@@ -449,6 +514,8 @@ def test_smollm2_chunked_prefill_and_generate_batch(smollm2):
                for q in CHATS]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     got = phf.generate_batch(model, prompts, max_new_tokens=16, max_prefill_tokens=64)
+    if phf.transformers_continuous_batching_supported():
+        assert transformers_generate_batch(model, prompts, 16) == got
     for prompt, tokens in zip(prompts, got):
         single = torch.tensor([prompt])
         alone = with_implementation(

@@ -5,7 +5,7 @@ continuous batching, for models loaded with ``from_pretrained`` (no model code t
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pagedkv")
     out = model.generate(**inputs, past_key_values=pagedkv.hf.PagedCache(model))
 
-Three ways the attention implementation runs, told apart per call:
+Four ways the attention implementation runs, told apart per call:
 
 1. **paged** (``PagedCache``): K/V of every layer live in pagedkv pages (any float or FP8 dtype).
    ``PagedCache.update`` only hands the new K/V through; the attention call stores them with
@@ -21,9 +21,11 @@ implementation is the one flash attention uses), so rows may be padded on either
 Beam search, assisted decoding and cache cropping need page copies this cache does not do yet;
 ``PagedCache`` refuses them with an error instead of returning wrong tokens.
 
-transformers' own ``generate_batch`` accepts only its listed implementations (``sdpa``,
-``paged|eager`` and flash) in the versions tested, so its continuous batching runs through
-``pagedkv.hf.generate_batch`` here, with pagedkv's page manager, cache and kernels.
+4. **varlen** (transformers' own ``generate_batch``, 5.x): its scheduler and paged cache, whose
+   per-step packed K/V (``cu_seq_lens_q/k``) are attended with ``flash_attn_paged``. Its manager
+   only knows sdpa, paged|eager and flash, so ``register`` makes it leave "pagedkv" models as they
+   are. ``pagedkv.hf.generate_batch`` is continuous batching on pagedkv's own page manager and
+   cache instead (no gather of the K/V into a packed copy per layer and step).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "check_transformers_version",
     "generate_batch",
     "register",
+    "transformers_continuous_batching_supported",
 ]
 
 IMPLEMENTATION = "pagedkv"
@@ -116,9 +119,46 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    _accept_in_transformers_continuous_batching()
     # The flash attention mask function gives None (no padding) or the 2-D [B, kv_len] padding
     # mask: exactly what the ragged layout below needs, and no [B, 1, q, kv] float mask is built.
     AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+
+
+def transformers_continuous_batching_supported() -> bool:
+    """Whether the installed transformers' own ``generate_batch`` runs "pagedkv" models (5.x, whose
+    continuous-batching manager ``register`` adapts; 4.57's needs its own paged implementations)."""
+    try:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    except ImportError:
+        return False
+    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
+    return bool(getattr(switch, "_pagedkv_accepts", False))
+
+
+def _accept_in_transformers_continuous_batching() -> None:
+    """Let transformers' own ``generate_batch`` run a model whose implementation is "pagedkv".
+
+    Its manager (5.x) switches a model to an implementation it knows (sdpa, paged|eager, flash)
+    or raises; for "pagedkv" models the switch is skipped and nothing else changes, so its
+    scheduler and paged cache hand each step's packed varlen batch (cu_seq_lens_q/k, no mask)
+    to ``attention_forward``. Models with any other implementation go through unchanged.
+    """
+    try:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    except ImportError:  # this transformers has no continuous batching of that shape
+        return
+    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
+    if switch is None or getattr(switch, "_pagedkv_accepts", False):
+        return
+
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if getattr(model.config, "_attn_implementation", None) == IMPLEMENTATION:
+            return None
+        return switch(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn._pagedkv_accepts = True
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +260,30 @@ def attention_forward(
         _pending.step = None
         layer = step[1]
         return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None
     return _attend_contiguous(query, key, value, attention_mask, options), None
+
+
+def _attend_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, options) -> torch.Tensor:
+    """Packed sequences (transformers' continuous batching, flash-style varlen calls): query
+    [1, Hq, Tq, D], key/value [1, Hk, Tk, D]; sequence b owns queries cu_q[b]:cu_q[b+1], which are
+    the last of its keys cu_k[b]:cu_k[b+1]. The keys are read in place as one-token pages."""
+    if query.size(0) != 1 or key.size(0) != 1:
+        raise ValueError(f"pagedkv attention: packed (cu_seq_lens) calls need batch 1, got {query.size(0)}")
+    device = query.device
+    cu_q = cu_seq_lens_q.to(device=device, dtype=torch.int32)
+    cu_k = cu_seq_lens_k.to(device=device, dtype=torch.int64)
+    key_counts = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    cache_lengths = key_counts - (cu_q[1:] - cu_q[:-1])
+    k_cache, _ = _token_pages(key)
+    v_cache, _ = _token_pages(value)
+    width = max(int(key_counts.max()) if key_counts.numel() else 1, 1)
+    positions = torch.arange(width, device=device, dtype=torch.int64)
+    # Entries past a row's keys are never read; clamp them to a valid page anyway.
+    lookup = (cu_k[:-1, None] + positions).clamp(max=max(key.size(2) - 1, 0)).to(torch.int32)
+    out = ops.flash_attn_paged(query[0].transpose(0, 1), cu_q, k_cache, v_cache, cache_lengths, lookup, **options)
+    return out.unsqueeze(0)
 
 
 def _attend_contiguous(query, key, value, attention_mask, options) -> torch.Tensor:
