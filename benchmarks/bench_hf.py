@@ -8,7 +8,8 @@ method; one timed call = one whole generate call: prefill, every decode step and
 - pagedkv (DynamicCache)  : model.generate, attn_implementation "pagedkv", default cache
 - pagedkv (PagedCache)    : model.generate, attn_implementation "pagedkv", cache=pagedkv.hf.PagedCache(model)
 - pagedkv generate_batch  : pagedkv.hf.generate_batch (continuous batching) on the unpadded prompt ids
-- transformers generate_batch: transformers' continuous batching (its paged cache), attn "sdpa", where installed
+- transformers generate_batch (sdpa)    : transformers' continuous batching (its paged cache), attn "sdpa", where installed
+- transformers generate_batch (pagedkv) : the same with attn "pagedkv" (its paged cache, pagedkv's kernel), 5.x
 Each candidate sets the model's attention implementation itself before generating. Tokens/s = prompts x
 new tokens / median seconds per call; vs_sdpa = sdpa seconds / candidate seconds. Before timing, every
 candidate's tokens are compared with sdpa's (tokens_match).
@@ -102,23 +103,28 @@ def candidates(model, ids, pad_id, new_tokens):
         model.set_attn_implementation("pagedkv")
         return pagedkv.hf.generate_batch(model, ids, new_tokens, eos_token_id=[])  # []: no stop token
 
-    def transformers_batch():
+    def transformers_batch(impl):
         from transformers import ContinuousBatchingConfig
 
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(impl)
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
         out = model.generate_batch(inputs=ids, generation_config=config,
                                    continuous_batching_config=ContinuousBatchingConfig(auto_switch_to_flash=False))
-        results = list(out.values())
+        results = [out[key] for key in sorted(out, key=lambda k: int(str(k).rsplit("_", 1)[-1]))]  # req_<i>
         errors = [r.error for r in results if r.error] + ([] if len(results) == len(ids) else ["requests missing"])
         if errors:
             raise RuntimeError(f"transformers generate_batch: {errors[0]}")
         return [r.generated_tokens for r in results]
 
+    def transformers_batch_with(impl):
+        return lambda: transformers_batch(impl)
+
     runs = {"sdpa": hf_generate("sdpa"), "pagedkv (DynamicCache)": hf_generate("pagedkv"),
             "pagedkv (PagedCache)": hf_generate("pagedkv", paged=True), "pagedkv generate_batch": pagedkv_batch}
     if hasattr(model, "generate_batch"):
-        runs["transformers generate_batch (sdpa)"] = transformers_batch
+        runs["transformers generate_batch (sdpa)"] = transformers_batch_with("sdpa")
+    if pagedkv.hf.transformers_continuous_batching_supported():
+        runs["transformers generate_batch (pagedkv)"] = transformers_batch_with("pagedkv")
     return runs
 
 
