@@ -433,6 +433,11 @@ def test_errors_name_the_problem(saved_models):
     with pytest.raises(NotImplementedError, match="PagedCache does not support"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
                        **paged_cache_argument(model))
+    cache = phf.PagedCache(model)
+    model.set_attn_implementation("sdpa")  # after the cache was made for "pagedkv"
+    with pytest.raises(RuntimeError, match="layer 0 did not attend with attn_implementation='pagedkv'"):
+        model(input_ids=ids, attention_mask=mask, **{phf._cache_argument(model): cache})
+    model.set_attn_implementation(phf.IMPLEMENTATION)
     query = torch.zeros(2, 4, 3, 16)
     key = torch.zeros(2, 2, 3, 16)
     with pytest.raises(ValueError, match="attention_mask must be a 2-D"):

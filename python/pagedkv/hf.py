@@ -424,6 +424,15 @@ def _make_layer_class(CacheLayerMixin):
 
         def update(self, key_states, value_states, *args, **kwargs):
             # The attention call right after stores and attends; see attention_forward.
+            left = getattr(_pending, "step", None)
+            if left is not None and left[1].owner is self.owner and left[1].layer_idx < self.layer_idx:
+                # An earlier layer of this forward never reached attention_forward: another
+                # implementation would attend over this step's K/V alone, silently wrong.
+                _pending.step = None
+                raise RuntimeError(
+                    f"pagedkv.hf.PagedCache: layer {left[1].layer_idx} did not attend with attn_implementation="
+                    f"'{IMPLEMENTATION}'; a PagedCache works only with it (model.set_attn_implementation('pagedkv'))"
+                )
             _pending.step = (key_states, self)
             return key_states, value_states
 
