@@ -8,7 +8,7 @@ method; one timed call = one whole generate call: prefill, every decode step and
 - pagedkv (DynamicCache)  : model.generate, attn_implementation "pagedkv", default cache
 - pagedkv (PagedCache)    : model.generate, attn_implementation "pagedkv", cache=pagedkv.hf.PagedCache(model)
 - pagedkv generate_batch  : pagedkv.hf.generate_batch (continuous batching) on the unpadded prompt ids
-- transformers generate_batch (sdpa)    : transformers' continuous batching (its paged cache), attn "sdpa", where installed
+- transformers generate_batch (sdpa)    : transformers' continuous batching (its paged cache), attn "sdpa"
 - transformers generate_batch (pagedkv) : the same with attn "pagedkv" (its paged cache, pagedkv's kernel), 5.x
 Each candidate sets the model's attention implementation itself before generating. Tokens/s = prompts x
 new tokens / median seconds per call; vs_sdpa = sdpa seconds / candidate seconds. Before timing, every

@@ -167,6 +167,12 @@ class ProgressBar:
             sys.stderr.write("\n")
 
 
+def page_manager_for(kv_cache) -> "pagedkv.PageManager":
+    """A page manager over a collection's pages; copy-on-write copies apply to blocks and scales."""
+    caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
+    return pagedkv.PageManager(kv_cache.num_pages, kv_cache.page_size, caches=caches)
+
+
 class ContinuousBatchingServer:
     """The scheduling loop of the module docstring over one model, cache and page manager."""
 
@@ -595,8 +601,7 @@ def _run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None) -
 
     kv_cache = make_kv_cache(config, num_pages, page_size, args.kv_dtype, device)
     model.kv_cache = kv_cache
-    caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
-    page_manager = pagedkv.PageManager(num_pages, page_size, caches=caches)
+    page_manager = page_manager_for(kv_cache)
     page_bytes = _page_bytes(kv_cache)
     print(
         f"kv cache: {num_pages} pages x {page_size} tokens, {args.kv_dtype}, "

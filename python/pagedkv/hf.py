@@ -42,7 +42,6 @@ import torch
 
 from . import ops
 from .cache import PagedKVCacheCollection
-from .page_manager import PageManager
 
 __all__ = [
     "IMPLEMENTATION",
@@ -680,13 +679,14 @@ def generate_batch(
 
     max_new_tokens / eos_token_id default to ``generation_config`` (a transformers
     GenerationConfig, as for transformers' own ``generate_batch``), then to the model's
-    ``generation_config``, then to 32 / none (``eos_token_id=[]``: never stop early). Sampling is not supported (``do_sample`` must be False).
+    ``generation_config``, then to 32 / none (``eos_token_id=[]``: never stop early). Sampling is
+    not supported (``do_sample`` must be False).
 
     Requests are admitted while their prefill fits ``max_prefill_tokens`` and pages are free;
     decode and prefill rows share each forward; a request that runs out of pages is preempted
     and recomputed later; full pages of a shared prompt prefix are computed once.
     """
-    from .demo import ContinuousBatchingServer, ProgressBar, Request
+    from .demo import ContinuousBatchingServer, ProgressBar, Request, page_manager_for
 
     if not inputs:
         return []
@@ -716,8 +716,7 @@ def generate_batch(
     dtype = kv_dtype or next(model.parameters()).dtype
     collection = PagedKVCacheCollection(num_pages, num_layers, page_size, num_kv_heads, head_dim,
                                         dtype=dtype, device=device)
-    manager = PageManager(num_pages, page_size, caches=[collection.blocks] +
-                          ([collection.scales] if collection.scales is not None else []))
+    manager = page_manager_for(collection)
     server = ContinuousBatchingServer(TransformersPagedModel(model, collection), manager, stop_ids, device,
                                       max_prefill_tokens=max_prefill_tokens, max_running=max_running)
     requests = [Request(request_id=i, arrival_step=0, message="", prompt=p, max_new_tokens=max_new_tokens)
