@@ -51,26 +51,28 @@ OPT = ["-O1", "-g"] if SANITIZE else ["-O3"]
 
 # The core is C: its own flags, not torch's C++ flags.
 C_FLAGS = ["-std=c11", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"] + OPT + SAN_FLAGS
-# CPU kernels per ISA (csrc/core/pkv_cpu_kernels.inc compiled once per file), each a
-# static library with its own flags (csrc/core/isa_flags.txt), picked at run time by
-# cpuid (pkv_cpu_dispatch.c).
+# CPU kernels per ISA (csrc/cpu/kernels/pkv_cpu_kernels.inc compiled once per file in
+# csrc/cpu/isa/), each a static library with its own flags (csrc/cpu/isa/isa_flags.txt),
+# picked at run time by cpuid (csrc/cpu/pkv_cpu_dispatch.c).
 def read_isa_flags():
     flags = {}
-    with open(os.path.join(ROOT, "csrc", "core", "isa_flags.txt")) as f:
+    with open(os.path.join(ROOT, "csrc", "cpu", "isa", "isa_flags.txt")) as f:
         for line in f:
             words = line.split("#", 1)[0].split()
             if words:
-                flags["csrc/core/" + words[0]] = words[1:]
+                flags["csrc/cpu/isa/" + words[0]] = words[1:]
     return flags
 
 
 CPU_ISA_FLAGS = read_isa_flags()
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/core/*.inc")
+# The C library: the core, the CPU backend and its ISA files without flags (the scalar one).
+C_SOURCES = rel("csrc/core/*.c") + rel("csrc/cpu/*.c") + rel("csrc/cpu/isa/*.c")
+CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/cpu/*.h") + rel("csrc/cpu/kernels/*")
 core_lib = (
     "pkv_core",
     {
-        "sources": [s for s in rel("csrc/core/*.c") if s not in CPU_ISA_FLAGS],
+        "sources": [s for s in C_SOURCES if s not in CPU_ISA_FLAGS],
         "cflags": C_FLAGS,
         "depends": CORE_DEPENDS,
     },

@@ -182,7 +182,7 @@ def sdpa_backend_name(fn: Callable[[], object]) -> str:
 
 
 def cpu_isa() -> str:
-    """The kernel table pagedkv's core picks (same rule as csrc/core/pkv_cpu_dispatch.c)."""
+    """The kernel table pagedkv's core picks (same rule as csrc/cpu/pkv_cpu_dispatch.c)."""
     flags = set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pkv_ops.h"
+#include "pkv_cpu_ops.h"
 
 /* Decoded inputs stay tiny: the interesting structure is in strides and index values. */
 #define MAX_SPAN_BYTES (1 << 20)

@@ -4,7 +4,7 @@
 # sanitizer report or harness property violation fails the run; the input that caused it is
 # written to fuzz/out/crash-<target>-* and its path printed.
 #
-# Targets: every fuzz/fuzz_*.c, linked with all of csrc/core/*.c. Seed corpora: fuzz/corpus/<target>/
+# Targets: every fuzz/fuzz_*.c, linked with the C library (csrc/core, csrc/cpu). Seed corpora: fuzz/corpus/<target>/
 # (committed; a CI run works on a copy in fuzz/out/work/ and never changes them).
 #
 # Usage: fuzz/run.sh [--merge] [target ...]
@@ -58,7 +58,7 @@ fi
 echo "== fuzzers built with $cc ($("$cc" --version | head -n 1))"
 
 flags=(-g -O1 -std=c11 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
-  -I"$root/csrc/core" -DPKV_PM_ALLOC_FAILURE_INJECTION)
+  -I"$root/csrc/core" -I"$root/csrc/cpu" -DPKV_PM_ALLOC_FAILURE_INJECTION)
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
@@ -71,12 +71,12 @@ summary=()
 source "$root/scripts/isa_flags.sh"
 mkdir -p "$out/core"
 core_objects=()
-for source in "$root"/csrc/core/*.c; do
+while read -r source; do
   object="$out/core/$(basename "$source" .c).o"
   # shellcheck disable=SC2046  # the ISA variants' flags are a word list
   "$cc" "${flags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
   core_objects+=("$object")
-done
+done < <(c_sources)
 for target in "${targets[@]}"; do
   "$cc" "${flags[@]}" "$root/fuzz/$target.c" "${core_objects[@]}" -lm -o "$out/$target"
   corpus="$root/fuzz/corpus/$target"

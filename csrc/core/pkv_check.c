@@ -221,13 +221,13 @@ static pkv_status check_distinct_slots(const pkv_index_view *offsets, const pkv_
     int64_t start = pkv_cache_length(lengths, b), added = pkv_new_tokens(offsets, b);
     for (int64_t i = 0; i < added; i++) {
       int64_t pos = start + i;
-      slots[n++] = (int64_t)pkv_page_of(table, b, pos, page_size) * page_size + pos % page_size;
+      slots[n++] = (int64_t)pkv_page_of(table, b, pos, page_size) * page_size + pkv_slot_of(pos, page_size);
     }
   }
   qsort(slots, (size_t)n, sizeof *slots, compare_i64);
   for (int64_t i = 1; i < n; i++)
     if (slots[i] == slots[i - 1]) {
-      long long page = (long long)(slots[i] / page_size), slot = (long long)(slots[i] % page_size);
+      long long page = (long long)(slots[i] / page_size), slot = (long long)pkv_slot_of(slots[i], page_size);
       free(slots);
       return pkv_fail(err, PKV_ERR_INDEX,
                       "%s: lookup_table maps two new tokens to the same cache slot (page %lld, slot %lld); each "

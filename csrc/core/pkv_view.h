@@ -44,15 +44,32 @@ PKV_HD int64_t pkv_cache_offset(const pkv_cache_view *c, int64_t page, int64_t s
   return page * c->stride_page + slot * c->stride_token + head * c->stride_head;
 }
 
+/* Token rows one page stride spans, when the cache is seen as a 2-D "[rows, Hk*D]" view
+ * (a page stride that is a whole number of token rows); 0 for a zero token stride. */
+PKV_HD int64_t pkv_cache_rows_per_page(const pkv_cache_view *c) {
+  return c->stride_token != 0 ? c->stride_page / c->stride_token : 0;
+}
+
 /* Row count of the 2-D "[rows, Hk*D]" view a TMA map covers when a page
  * stride is a whole number of token rows: the seed's num_kv_rows. */
 PKV_HD int64_t pkv_cache_num_rows(const pkv_cache_view *c) {
-  return c->num_pages == 0 ? 0 : (c->num_pages - 1) * (c->stride_page / c->stride_token) + c->page_size;
+  return c->num_pages == 0 ? 0 : (c->num_pages - 1) * pkv_cache_rows_per_page(c) + c->page_size;
 }
 
 /* 2-D row of (page, slot) in that view: the seed's get_tma_row / row_idx. */
-PKV_HD int64_t pkv_cache_row(const pkv_cache_view *c, int64_t page, int64_t slot) {
-  return page * (c->stride_page / c->stride_token) + slot;
+PKV_HD int64_t pkv_cache_row(int64_t rows_per_page, int64_t page, int64_t slot) { return page * rows_per_page + slot; }
+
+/* Whether the view's base and its page, token and head strides (elements of `elem_bytes`)
+ * are multiples of `bytes`: the condition for vector loads of that width. */
+PKV_HD int pkv_cache_aligned(const pkv_cache_view *c, int64_t elem_bytes, int64_t bytes) {
+  return (uintptr_t)c->data % (uintptr_t)bytes == 0 && (c->stride_page * elem_bytes) % bytes == 0 &&
+         (c->stride_token * elem_bytes) % bytes == 0 && (c->stride_head * elem_bytes) % bytes == 0;
+}
+
+/* The same for token rows: base, row and head strides. */
+PKV_HD int pkv_rows_aligned(const pkv_rows_view *r, int64_t elem_bytes, int64_t bytes) {
+  return (uintptr_t)r->data % (uintptr_t)bytes == 0 && (r->stride_row * elem_bytes) % bytes == 0 &&
+         (r->stride_head * elem_bytes) % bytes == 0;
 }
 
 PKV_HD int32_t pkv_index_at(const pkv_index_view *v, int64_t i) { return v->data[i * v->stride_row]; }
@@ -65,6 +82,9 @@ PKV_HD int32_t pkv_index_at2(const pkv_index_view *v, int64_t r, int64_t c) {
 PKV_HD int32_t pkv_page_of(const pkv_index_view *lookup_table, int64_t b, int64_t pos, int64_t page_size) {
   return pkv_index_at2(lookup_table, b, pos / page_size);
 }
+
+/* Slot (token row within its page) of logical token `pos`. */
+PKV_HD int64_t pkv_slot_of(int64_t pos, int64_t page_size) { return pos % page_size; }
 
 /* Seed accessor: tokens already cached for row b. */
 PKV_HD int64_t pkv_cache_length(const pkv_index_view *cache_lengths, int64_t b) {

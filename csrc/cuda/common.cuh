@@ -185,4 +185,51 @@ __device__ __forceinline__ float2 e5m2x2_to_float2(uint16_t two) {
   return __half22float2(hv);
 }
 
+// ---- 8 elements as floats <-> memory, vectorised (8- or 16-byte aligned at element i) ----
+// load8: f32/f16/bf16 or FP8 codes (unscaled) starting at element i.
+template <pkv_dtype kSrc>
+__device__ __forceinline__ void load8(const void *base, int64_t i, float (&v)[8]) {
+  if constexpr (kSrc == PKV_DTYPE_F32) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i));
+    const float4 b = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i + 4));
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if constexpr (kSrc == PKV_DTYPE_BF16 || kSrc == PKV_DTYPE_F16) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i));
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffff), hi = static_cast<uint16_t>(w[k] >> 16);
+      v[2 * k] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(lo) : pkv_f16_to_f32(lo);
+      v[2 * k + 1] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(hi) : pkv_f16_to_f32(hi);
+    }
+  } else {
+    const uint2 a = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint8_t *>(base) + i));
+    const uint32_t w[2] = {a.x, a.y};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const uint8_t c = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+      v[k] = kSrc == PKV_DTYPE_FP8_E4M3 ? pkv_e4m3_to_f32(c) : pkv_e5m2_to_f32(c);
+    }
+  }
+}
+
+// store8: f32 (two 16-byte stores) or f16/bf16 (one) starting at element i.
+template <pkv_dtype kDst>
+__device__ __forceinline__ void store8(void *base, int64_t i, const float (&v)[8]) {
+  if constexpr (kDst == PKV_DTYPE_F32) {
+    float *d = static_cast<float *>(base) + i;
+    reinterpret_cast<float4 *>(d)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4 *>(d)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const uint16_t lo = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k]) : pkv_f32_to_f16(v[2 * k]);
+      const uint16_t hi = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k + 1]) : pkv_f32_to_f16(v[2 * k + 1]);
+      w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 }  // namespace pkv

@@ -63,21 +63,10 @@ __device__ void debug_body(const DebugParams &p, const CUtensorMap *map, uint8_t
     reinterpret_cast<uint4 *>(p.out)[i] = reinterpret_cast<const uint4 *>(smem)[i];
 }
 
-template <int kLoader>
-__device__ constexpr bool debug_loader_compiled() {
-#if defined(__CUDA_ARCH__)
-  return kLoader == PKV_LOADER_CP_ASYNC   ? __CUDA_ARCH__ >= 800
-         : kLoader == PKV_LOADER_TMA_PAGES ? (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000)
-                                           : __CUDA_ARCH__ >= 1000;
-#else
-  return false;
-#endif
-}
-
 template <int kRows, int kLoader>
 __global__ void __launch_bounds__(kDebugThreads)
     debug_tile_kernel(const __grid_constant__ DebugParams p, const __grid_constant__ CUtensorMap map) {
-  if constexpr (debug_loader_compiled<kLoader>()) {
+  if constexpr (loader_compiled<kLoader>()) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     debug_body<kRows, kLoader>(p, &map, smem);
@@ -108,11 +97,6 @@ cudaError_t launch_debug(const DebugParams &p, pkv_loader loader, const CUtensor
   default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
-}
-
-int box_rows_of(int64_t page_size, int64_t rows) {
-  int64_t sub = page_size % rows == 0 ? rows : (rows % page_size == 0 ? page_size : 0);
-  return sub >= kMinTmaBoxRows && sub % 8 == 0 ? static_cast<int>(sub) : 0;
 }
 
 }  // namespace
@@ -146,7 +130,7 @@ pkv_status pkv_cuda_debug_tile_plan(const pkv_tensor *cache, const pkv_tensor *l
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s is not available on CUDA device %d", op,
                     pkv_loader_name(loader), device);
   pkv_cache_view c = pkv_cache_view_from(cache);
-  if (loader == PKV_LOADER_TMA_PAGES && (!pkv::tma_view_ok(c) || pkv::box_rows_of(c.page_size, rows) == 0))
+  if (loader == PKV_LOADER_TMA_PAGES && (!pkv::tma_view_ok(c) || pkv::tma_box_rows(c.page_size, rows) == 0))
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: page size %lld does not fit the %s loader", op,
                     (long long)c.page_size, pkv_loader_name(loader));
   if (loader == PKV_LOADER_TMA_GATHER4 && !pkv::tma_rows_ok(c))
@@ -173,10 +157,9 @@ cudaError_t pkv_cuda_debug_load_tile(const pkv_tensor *cache, const pkv_tensor *
   p.row_bytes = tile_row_bytes(static_cast<int>(p.cache.head_dim), p.es);
   p.units_per_row = static_cast<int>(p.cache.head_dim * p.es / 16);
   const int rows = attn_tile_keys(static_cast<int>(p.cache.head_dim));
-  p.box_rows = box_rows_of(p.cache.page_size, rows);
-  p.rows_per_page = p.cache.stride_token != 0 ? p.cache.stride_page / p.cache.stride_token : 0;
-  p.aligned = reinterpret_cast<uintptr_t>(p.cache.data) % 16 == 0 && (p.cache.stride_page * p.es) % 16 == 0 &&
-              (p.cache.stride_token * p.es) % 16 == 0 && (p.cache.stride_head * p.es) % 16 == 0;
+  p.box_rows = tma_box_rows(p.cache.page_size, rows);
+  p.rows_per_page = pkv_cache_rows_per_page(&p.cache);
+  p.aligned = pkv_cache_aligned(&p.cache, p.es, 16);
   p.out = static_cast<uint8_t *>(out);
   CUtensorMap map{};
   if (loader == PKV_LOADER_TMA_PAGES) PKV_CUDA_TRY(tma_map_pages(&map, p.cache, p.box_rows));

@@ -10,7 +10,10 @@
 //
 // Decode-like calls with too few tiles to fill the GPU split the keys of each
 // tile over num_splits CTAs; each writes a normalised partial output and its
-// log-sum-exp to scratch, and a combine kernel merges them.
+// log-sum-exp to scratch, and a combine kernel merges them. The host-side
+// plan (loader choice, split count) is in flash_attn_plan.cu. This file is
+// over 600 lines because the kernel body (attn_body) is one piece: its tile
+// loop shares the accumulators, the masks and the pipeline state.
 //
 // Bounds: index values are never trusted. Rows are clamped to [0, T), page
 // ids outside [0, N) and keys past the lookup table are masked (never read),
@@ -19,16 +22,13 @@
 #include <math.h>
 
 #include <atomic>
-#include <initializer_list>
 
-#include "tile.cuh"
+#include "flash_attn.cuh"
 
 namespace pkv {
 namespace {
 
 constexpr int kAttnThreads = 128;  // 4 warps x 16 packed query rows
-constexpr int kAttnRowsM = 64;     // packed query rows per CTA
-constexpr int kMaxSplits = 32;     // the combine kernel keeps one split per lane
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D, bool kFp8>
@@ -439,20 +439,6 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   }
 }
 
-// Which loaders a target really compiles: anything else is a trapping stub,
-// and the host never launches it (pkv_cuda_loader_available checks the PTX
-// version the device's binary was built from).
-template <int kLoader>
-__device__ constexpr bool loader_compiled() {
-#if defined(__CUDA_ARCH__)
-  return kLoader == PKV_LOADER_CP_ASYNC   ? __CUDA_ARCH__ >= 800
-         : kLoader == PKV_LOADER_TMA_PAGES ? (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000)
-                                           : __CUDA_ARCH__ >= 1000;
-#else
-  return false;
-#endif
-}
-
 template <int D, typename T, bool kFp8, int kLoader>
 __global__ void __launch_bounds__(kAttnThreads)
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
@@ -548,51 +534,6 @@ cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader,
   }
 }
 
-bool aligned16(const void *ptr, int64_t es, std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
-  for (int64_t s : strides)
-    if ((s * es) % 16 != 0) return false;
-  return true;
-}
-
-int64_t tile_keys_for(int64_t d) { return attn_tile_keys(static_cast<int>(d)); }
-
-// Rows per TMA box for the page loader, or 0 when the page size does not fit.
-int box_rows_for(int64_t page_size, int64_t tile_keys) {
-  int64_t sub = 0;
-  if (page_size % tile_keys == 0)
-    sub = tile_keys;
-  else if (tile_keys % page_size == 0)
-    sub = page_size;
-  if (sub < kMinTmaBoxRows || sub % 8 != 0) return 0;
-  return static_cast<int>(sub);
-}
-
-bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v) {
-  switch (loader) {
-  case PKV_LOADER_CP_ASYNC: return true;
-  case PKV_LOADER_TMA_PAGES:
-    return tma_view_ok(k) && tma_view_ok(v) && box_rows_for(k.page_size, tile_keys_for(k.head_dim)) > 0;
-  case PKV_LOADER_TMA_GATHER4:
-    return tma_rows_ok(k) && tma_rows_ok(v) && k.stride_page / k.stride_token == v.stride_page / v.stride_token;
-  default: return false;
-  }
-}
-
-cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v, CUtensorMap *kmap,
-                        CUtensorMap *vmap) {
-  if (loader == PKV_LOADER_TMA_PAGES) {
-    const int rows = box_rows_for(k.page_size, tile_keys_for(k.head_dim));
-    PKV_CUDA_TRY(tma_map_pages(kmap, k, rows));
-    return tma_map_pages(vmap, v, rows);
-  }
-  if (loader == PKV_LOADER_TMA_GATHER4) {
-    PKV_CUDA_TRY(tma_map_rows(kmap, k));
-    return tma_map_rows(vmap, v);
-  }
-  return cudaSuccess;
-}
-
 }  // namespace
 
 // Kernels probed for "was this loader compiled for the device": the bf16,
@@ -623,118 +564,6 @@ int loader_kernel_ptx_version(pkv_loader loader) {
 
 extern "C" {
 
-const char *pkv_loader_name(pkv_loader loader) {
-  switch (loader) {
-  case PKV_LOADER_CP_ASYNC: return "cp.async";
-  case PKV_LOADER_TMA_PAGES: return "tma-pages";
-  case PKV_LOADER_TMA_GATHER4: return "tma-gather4";
-  default: return "unknown";
-  }
-}
-
-int pkv_cuda_loader_available(int device, pkv_loader loader) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  if (previous != device) cudaSetDevice(device);
-  const int ptx = pkv::loader_kernel_ptx_version(loader);
-  if (previous != device) cudaSetDevice(previous);
-  switch (loader) {
-  case PKV_LOADER_CP_ASYNC: return major >= 8 && ptx >= 80;
-  case PKV_LOADER_TMA_PAGES: return major == 9 && ptx >= 90 && ptx < 100;
-  case PKV_LOADER_TMA_GATHER4: return major == 10 && ptx >= 100;
-  default: return 0;
-  }
-}
-
-pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
-                                   pkv_error *err) {
-  const char *op = "flash_attn_paged";
-  const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
-  if (qd != PKV_DTYPE_BF16 && qd != PKV_DTYPE_F16)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: q dtype %s is not supported on CUDA (use float16 or bfloat16)", op,
-                    pkv_dtype_name(qd));
-  if (kd != vd)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "%s: k_cache (%s) and v_cache (%s) of different dtypes are not supported on CUDA", op,
-                    pkv_dtype_name(kd), pkv_dtype_name(vd));
-  if (!pkv_dtype_is_fp8(kd) && kd != qd)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "%s: a %s cache with %s queries is not supported on CUDA (the cache must have q's dtype or be "
-                    "float8_e4m3fn/float8_e5m2)",
-                    op, pkv_dtype_name(kd), pkv_dtype_name(qd));
-  const int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3];
-  if (d != dv)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: D = %lld != Dv = %lld is not supported on CUDA", op, (long long)d,
-                    (long long)dv);
-  if (d != 64 && d != 96 && d != 128 && d != 256)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: head size %lld is not supported on CUDA (64, 96, 128 or 256)", op,
-                    (long long)d);
-  if (a->q.sizes[0] > (int64_t(1) << 31) / 2)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: more than 2^30 query rows are not supported on CUDA", op);
-
-  pkv_cache_view k = pkv_cache_view_from(&a->k_cache), v = pkv_cache_view_from(&a->v_cache);
-  int major = 0, sms = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: cannot query CUDA device %d", op, device);
-  }
-  if (major < 8)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
-                    op, major);
-
-  pkv_loader loader = PKV_LOADER_CP_ASYNC;
-  CUtensorMap kmap, vmap;
-  if (force_loader >= 0) {
-    loader = static_cast<pkv_loader>(force_loader);
-    if (force_loader >= PKV_LOADER_COUNT || !pkv_cuda_loader_available(device, loader))
-      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s is not available on CUDA device %d", op,
-                      pkv_loader_name(loader), device);
-    if (!pkv::loader_fits(loader, k, v) || pkv::encode_maps(loader, k, v, &kmap, &vmap) != cudaSuccess)
-      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this cache view on CUDA", op,
-                      pkv_loader_name(loader));
-  } else {
-    const pkv_loader order[2] = {PKV_LOADER_TMA_GATHER4, PKV_LOADER_TMA_PAGES};
-    for (pkv_loader l : order)
-      if (pkv_cuda_loader_available(device, l) && pkv::loader_fits(l, k, v) &&
-          pkv::encode_maps(l, k, v, &kmap, &vmap) == cudaSuccess) {
-        loader = l;
-        break;
-      }
-  }
-
-  // Split-KV only when (estimated) tiles x KV heads leave SMs idle. Estimated
-  // from shapes: index values live on the device and are never read here.
-  const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
-  const int64_t batch = a->cache_lengths.sizes[0], group = hq / hk;
-  int64_t tiles = (t * group + pkv::kAttnRowsM - 1) / pkv::kAttnRowsM;
-  tiles = tiles > batch ? tiles : batch;
-  const int64_t ctas = (tiles > 0 ? tiles : 1) * hk;
-  const int64_t max_key_tiles =
-      (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
-  int64_t splits = 1;
-  if (ctas < sms) {
-    splits = (2 * (int64_t)sms + ctas - 1) / ctas;
-    if (splits > max_key_tiles) splits = max_key_tiles;
-    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
-    if (splits < 1) splits = 1;
-  }
-  plan->device = device;
-  plan->num_sms = sms;
-  plan->loader = loader;
-  plan->num_splits = static_cast<int>(splits);
-  plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
-  plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
-  return PKV_OK;
-}
-
 cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
                           float *partial_lse, cudaStream_t stream) {
   using namespace pkv;
@@ -752,7 +581,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.group = a->q.sizes[1] / a->k_cache.sizes[2];
   p.quant_group = a->quant_group;
   p.window_left = a->window_left;
-  p.rows_per_page = p.k.stride_token != 0 ? p.k.stride_page / p.k.stride_token : 0;
+  p.rows_per_page = pkv_cache_rows_per_page(&p.k);
   if (a->softcap > 0.0) {
     p.score_scale = static_cast<float>(a->scale / a->softcap);
     p.softcap_log2 = static_cast<float>(a->softcap) * kLog2e;
@@ -764,12 +593,10 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.num_splits = plan->num_splits;
   p.e4m3 = a->k_cache.dtype == PKV_DTYPE_FP8_E4M3;
   const int64_t kv_es = pkv_dtype_is_fp8(a->k_cache.dtype) ? 1 : 2;
-  p.q_aligned = aligned16(p.q.data, 2, {p.q.stride_row, p.q.stride_head});
-  p.out_aligned = reinterpret_cast<uintptr_t>(p.out.data) % 4 == 0 && p.out.stride_row % 2 == 0 &&
-                  p.out.stride_head % 2 == 0;
-  p.kv_aligned = aligned16(p.k.data, kv_es, {p.k.stride_page, p.k.stride_token, p.k.stride_head}) &&
-                 aligned16(p.v.data, kv_es, {p.v.stride_page, p.v.stride_token, p.v.stride_head});
-  p.box_rows = box_rows_for(p.k.page_size, tile_keys_for(p.k.head_dim));
+  p.q_aligned = pkv_rows_aligned(&p.q, 2, 16);
+  p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);  // 16-bit pairs stored as one word
+  p.kv_aligned = pkv_cache_aligned(&p.k, kv_es, 16) && pkv_cache_aligned(&p.v, kv_es, 16);
+  p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (p.num_rows == 0) return cudaSuccess;

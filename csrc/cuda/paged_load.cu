@@ -6,8 +6,6 @@
 // Bounds: output rows that no [offsets[b], offsets[b] + seq_lens[b]) covers
 // are left untouched (as on the CPU); tokens past the lookup table and page
 // ids outside [0, N) are skipped, never read.
-#include <initializer_list>
-
 #include "common.cuh"
 
 namespace pkv {
@@ -24,51 +22,6 @@ struct LoadParams {
   pkv_index_view table;    // [B, max_pages]
   int64_t group;
 };
-
-// 8 cache elements as floats (unscaled), starting at element i.
-template <pkv_dtype kSrc>
-__device__ __forceinline__ void load8(const void *base, int64_t i, float (&v)[8]) {
-  if constexpr (kSrc == PKV_DTYPE_F32) {
-    const float4 a = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i));
-    const float4 b = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + i + 4));
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else if constexpr (kSrc == PKV_DTYPE_BF16 || kSrc == PKV_DTYPE_F16) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i));
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffff), hi = static_cast<uint16_t>(w[k] >> 16);
-      v[2 * k] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(lo) : pkv_f16_to_f32(lo);
-      v[2 * k + 1] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(hi) : pkv_f16_to_f32(hi);
-    }
-  } else {
-    const uint2 a = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint8_t *>(base) + i));
-    const uint32_t w[2] = {a.x, a.y};
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      const uint8_t c = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
-      v[k] = kSrc == PKV_DTYPE_FP8_E4M3 ? pkv_e4m3_to_f32(c) : pkv_e5m2_to_f32(c);
-    }
-  }
-}
-
-template <pkv_dtype kDst>
-__device__ __forceinline__ void store8(void *base, int64_t i, const float (&v)[8]) {
-  if constexpr (kDst == PKV_DTYPE_F32) {
-    float *d = static_cast<float *>(base) + i;
-    reinterpret_cast<float4 *>(d)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4 *>(d)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const uint16_t lo = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k]) : pkv_f32_to_f16(v[2 * k]);
-      const uint16_t hi = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k + 1]) : pkv_f32_to_f16(v[2 * k + 1]);
-      w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-    }
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
 
 template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
 __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constant__ LoadParams p) {
@@ -87,7 +40,7 @@ __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constan
     if (t >= pkv_index_at(&p.lengths, b) || t / page_size >= p.table.cols) continue;
     const int64_t page = pkv_page_of(&p.table, b, t, page_size);
     if (page < 0 || page >= p.cache.num_pages) continue;
-    const int64_t slot = t % page_size;
+    const int64_t slot = pkv_slot_of(t, page_size);
     const int64_t src = pkv_cache_offset(&p.cache, page, slot, head);
     const int64_t dst = row * p.out.stride_row + head * p.out.stride_head;
     const float *scales = kFp8 ? static_cast<const float *>(p.scales.data) + pkv_cache_offset(&p.scales, page, slot, head)
@@ -139,13 +92,6 @@ cudaError_t dispatch_out(const LoadParams &p, bool vec, cudaStream_t stream) {
   }
 }
 
-bool aligned(const void *ptr, int64_t bytes, int64_t es, std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(ptr) % bytes != 0) return false;
-  for (int64_t s : strides)
-    if ((s * es) % bytes != 0) return false;
-  return true;
-}
-
 }  // namespace
 }  // namespace pkv
 
@@ -171,10 +117,8 @@ cudaError_t pkv_cuda_load(const pkv_load_args *a, cudaStream_t stream) {
   const int64_t ces = static_cast<int64_t>(pkv_dtype_size(p.cache.dtype));
   const int64_t oes = static_cast<int64_t>(pkv_dtype_size(p.out.dtype));
   // a group of 8 elements: 8 * es bytes, loaded/stored as 8- or 16-byte vectors
-  const bool vec = p.cache.head_dim % 8 == 0 &&
-                   aligned(p.cache.data, 8 * ces < 16 ? 8 * ces : 16, ces,
-                           {p.cache.stride_page, p.cache.stride_token, p.cache.stride_head}) &&
-                   aligned(p.out.data, 16, oes, {p.out.stride_row, p.out.stride_head});
+  const bool vec = p.cache.head_dim % 8 == 0 && pkv_cache_aligned(&p.cache, ces, 8 * ces < 16 ? 8 * ces : 16) &&
+                   pkv_rows_aligned(&p.out, oes, 16);
   switch (p.cache.dtype) {
   case PKV_DTYPE_F32: return dispatch_out<PKV_DTYPE_F32>(p, vec, stream);
   case PKV_DTYPE_F16: return dispatch_out<PKV_DTYPE_F16>(p, vec, stream);

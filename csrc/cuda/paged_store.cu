@@ -43,48 +43,8 @@ __device__ __forceinline__ int64_t store_target(const StoreParams &p, const pkv_
   const int64_t page = pkv_page_of(&p.table, b, pos, c.page_size);
   if (page < 0 || page >= c.num_pages) return -1;
   *page_out = page;
-  *slot_out = pos % c.page_size;
+  *slot_out = pkv_slot_of(pos, c.page_size);
   return pkv_cache_offset(&c, page, *slot_out, head);
-}
-
-// 8 source elements starting at element `i` (16-byte aligned when vectorised).
-template <pkv_dtype kSrc>
-__device__ __forceinline__ void load8(const void *base, int64_t i, float (&v)[8]) {
-  if constexpr (kSrc == PKV_DTYPE_F32) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const float *>(base) + i));
-    const uint4 b = __ldg(reinterpret_cast<const uint4 *>(static_cast<const float *>(base) + i + 4));
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = __uint_as_float(w[k]);
-  } else {
-    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(base) + i));
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const uint16_t lo = static_cast<uint16_t>(w[k] & 0xffff), hi = static_cast<uint16_t>(w[k] >> 16);
-      v[2 * k] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(lo) : pkv_f16_to_f32(lo);
-      v[2 * k + 1] = kSrc == PKV_DTYPE_BF16 ? pkv_bf16_to_f32(hi) : pkv_f16_to_f32(hi);
-    }
-  }
-}
-
-// 8 float-cache elements at element `i` (f32: two 16-byte stores; 16-bit: one).
-template <pkv_dtype kDst>
-__device__ __forceinline__ void store8(void *base, int64_t i, const float (&v)[8]) {
-  if constexpr (kDst == PKV_DTYPE_F32) {
-    float *d = static_cast<float *>(base) + i;
-    reinterpret_cast<float4 *>(d)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4 *>(d)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const uint16_t lo = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k]) : pkv_f32_to_f16(v[2 * k]);
-      const uint16_t hi = kDst == PKV_DTYPE_BF16 ? pkv_f32_to_bf16(v[2 * k + 1]) : pkv_f32_to_f16(v[2 * k + 1]);
-      w[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-    }
-    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
 }
 
 // |x| as ordered bits: max over them propagates NaN (as torch's amax does).
@@ -189,18 +149,13 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_const
 #endif
 }
 
-bool aligned_view(const void *ptr, int64_t es, int64_t a, int64_t b, int64_t c) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (a * es) % 16 == 0 && (b * es) % 16 == 0 &&
-         (c * es) % 16 == 0;
-}
-
 // 16-byte vector loads and stores for this job?
 bool job_vectorizable(const StoreJob &j, int64_t group) {
   const int64_t d = j.cache.head_dim;
   const int64_t ses = static_cast<int64_t>(pkv_dtype_size(j.src.dtype));
   const int64_t des = static_cast<int64_t>(pkv_dtype_size(j.cache.dtype));
-  if (!aligned_view(j.src.data, ses, j.src.stride_row, j.src.stride_head, 0)) return false;
-  if (!aligned_view(j.cache.data, des, j.cache.stride_page, j.cache.stride_token, j.cache.stride_head)) return false;
+  if (!pkv_rows_aligned(&j.src, ses, 16)) return false;
+  if (!pkv_cache_aligned(&j.cache, des, 16)) return false;
   if (pkv_dtype_is_fp8(j.cache.dtype))
     return d % 16 == 0 && d / 16 <= kStoreMaxChunks && (group >= d || group % 16 == 0);
   return d % 8 == 0;

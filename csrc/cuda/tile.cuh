@@ -32,6 +32,33 @@ __host__ __device__ constexpr int tile_row_bytes(int d, int es) {
 // cp.async is faster there (shared/notes/TMA.md, section 3).
 constexpr int kMinTmaBoxRows = 16;
 
+// Rows per TMA box of the page loader for a tile of `tile_keys` keys, or 0 when
+// the page size does not fit (a box never leaves its page and starts 1024-byte
+// aligned: a multiple of 8 rows).
+inline int tma_box_rows(int64_t page_size, int64_t tile_keys) {
+  int64_t sub = 0;
+  if (page_size % tile_keys == 0)
+    sub = tile_keys;
+  else if (tile_keys % page_size == 0)
+    sub = page_size;
+  if (sub < kMinTmaBoxRows || sub % 8 != 0) return 0;
+  return static_cast<int>(sub);
+}
+
+// Which loaders a target really compiles: anything else is a trapping stub,
+// and the host never launches it (pkv_cuda_loader_available checks the PTX
+// version the device's binary was built from).
+template <int kLoader>
+__device__ constexpr bool loader_compiled() {
+#if defined(__CUDA_ARCH__)
+  return kLoader == PKV_LOADER_CP_ASYNC   ? __CUDA_ARCH__ >= 800
+         : kLoader == PKV_LOADER_TMA_PAGES ? (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000)
+                                           : __CUDA_ARCH__ >= 1000;
+#else
+  return false;
+#endif
+}
+
 // Byte offset of 16-byte unit `unit` of row `r` in a tile of `rows` rows.
 __host__ __device__ __forceinline__ uint32_t tile_unit_offset(int r, int unit, int rows) {
   const int chunk = unit >> 3, j = unit & 7;
@@ -62,18 +89,12 @@ __device__ __forceinline__ int fill_tile_row(TileRows *rows, int t, int64_t k0, 
     const int32_t id = pkv_page_of(&table, batch, key, page_size);
     if (id >= 0 && id < num_pages) {
       page = id;
-      slot = static_cast<int32_t>(key % page_size);
+      slot = static_cast<int32_t>(pkv_slot_of(key, page_size));
     }
   }
   rows[t].page = page;
   rows[t].slot = slot;
   return page < 0;
-}
-
-// Element offset of (page, slot, head, 0) in a view.
-__device__ __forceinline__ int64_t row_offset(const pkv_cache_view &c, const TileRows &r, int64_t head) {
-  return static_cast<int64_t>(r.page) * c.stride_page + static_cast<int64_t>(r.slot) * c.stride_token +
-         head * c.stride_head;
 }
 
 // ---- loader 1: cp.async, any page size, any arch >= sm_80 ----
@@ -89,12 +110,12 @@ __device__ __forceinline__ void load_tile_cp_async(uint8_t *tile, const pkv_cach
     uint8_t *dst = tile + tile_unit_offset(r, j, kRows);
     const TileRows tr = rows[r];
     if (aligned) {
-      const uint8_t *src = tr.page >= 0 ? base + row_offset(c, tr, head) * es + j * 16 : base;
+      const uint8_t *src = tr.page >= 0 ? base + pkv_cache_offset(&c, tr.page, tr.slot, head) * es + j * 16 : base;
       cp_async_16(dst, src, tr.page >= 0 ? 16u : 0u);
     } else {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (tr.page >= 0) {
-        const uint8_t *src = base + row_offset(c, tr, head) * es + j * 16;
+        const uint8_t *src = base + pkv_cache_offset(&c, tr.page, tr.slot, head) * es + j * 16;
         uint8_t bytes[16];
         if (es == 2) {
 #pragma unroll
@@ -140,8 +161,8 @@ __device__ __forceinline__ void issue_tile_pages(uint8_t *tile, const CUtensorMa
 }
 
 // ---- loader 3: TMA tile::gather4 (sm_100) ----
-// 2-D map over token rows; row of (page, slot) = page * rows_per_page + slot
-// (rows_per_page = stride_page / stride_token). Groups of 4 masked rows are
+// 2-D map over token rows; row of (page, slot) = pkv_cache_row (pkv_view.h)
+// with rows_per_page = pkv_cache_rows_per_page of the view. Groups of 4 masked rows are
 // skipped; a masked row inside a loaded group gets the legal coordinate 0
 // and is zeroed afterwards, like the tail of a page.
 template <int kRows>
@@ -164,7 +185,7 @@ __device__ __forceinline__ void issue_tile_gather4(uint8_t *tile, const CUtensor
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       const TileRows tr = rows[g + i];
-      r[i] = tr.page >= 0 ? static_cast<int>(tr.page * rows_per_page + tr.slot) : 0;
+      r[i] = tr.page >= 0 ? static_cast<int>(pkv_cache_row(rows_per_page, tr.page, tr.slot)) : 0;
       any |= tr.page >= 0;
     }
     if (!any) continue;
@@ -198,7 +219,7 @@ __device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *sr
     uint4 out0 = make_uint4(0, 0, 0, 0), out1 = make_uint4(0, 0, 0, 0);
     if (tr.page >= 0) {
       const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kRows));
-      const float *srow = sbase + row_offset(scales, tr, head);
+      const float *srow = sbase + pkv_cache_offset(&scales, tr.page, tr.slot, head);
       const int col0 = j * 16;
       float one_scale = group >= head_dim ? __ldg(srow) : 0.0f;
       const uint16_t *pairs = reinterpret_cast<const uint16_t *>(&raw);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "../cpu/pkv_cpu_ops.h"
 #include "pkv_args.h"
 
 namespace pagedkv {

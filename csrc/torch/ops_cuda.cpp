@@ -11,6 +11,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "../cuda/pkv_cuda.h"
 #include "pkv_args.h"
@@ -46,6 +49,25 @@ pkv_tensor host_index(const at::Tensor &t, std::vector<at::Tensor> &keep) {
 
 void raise_cuda(cudaError_t e) { C10_CUDA_CHECK(e); }
 
+// The core's check of an op's arguments: descriptors always; index values (which live on the
+// device) only when host checks are enabled, on host copies of `index_tensors` (pairs of the
+// args field and the tensor it describes).
+template <typename Args>
+using CheckFn = pkv_status (*)(const Args *, int, pkv_error *);
+template <typename Args>
+using IndexTensors = std::initializer_list<std::pair<pkv_tensor Args::*, const at::Tensor *>>;
+
+template <typename Args>
+void check_args(const Args &a, CheckFn<Args> check, IndexTensors<Args> index_tensors) {
+  pkv_error err{};
+  raise_if_failed(check(&a, /*check_values=*/0, &err), err);
+  if (!checks_enabled()) return;
+  std::vector<at::Tensor> keep;
+  Args h = a;
+  for (const auto &[field, tensor] : index_tensors) h.*field = host_index(*tensor, keep);
+  raise_if_failed(check(&h, /*check_values=*/1, &err), err);
+}
+
 void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
                       const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
                       const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
@@ -54,16 +76,11 @@ void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &va
   c10::cuda::CUDAGuard guard(k_cache.device());
   pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
                                 k_scales, v_scales, quant_group);
+  check_args<pkv_store_args>(a, pkv_store_check,
+                             {{&pkv_store_args::input_row_offsets, &input_row_offsets},
+                              {&pkv_store_args::cache_lengths, &cache_lengths},
+                              {&pkv_store_args::lookup_table, &lookup_table}});
   pkv_error err{};
-  raise_if_failed(pkv_store_check(&a, /*check_values=*/0, &err), err);
-  if (checks_enabled()) {
-    std::vector<at::Tensor> keep;
-    pkv_store_args h = a;
-    h.input_row_offsets = host_index(input_row_offsets, keep);
-    h.cache_lengths = host_index(cache_lengths, keep);
-    h.lookup_table = host_index(lookup_table, keep);
-    raise_if_failed(pkv_store_check(&h, /*check_values=*/1, &err), err);
-  }
   raise_if_failed(pkv_cuda_store_supported(&a, &err), err);
   raise_cuda(pkv_cuda_store(&a, c10::cuda::getCurrentCUDAStream()));
 }
@@ -73,32 +90,22 @@ void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &s
                      const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group) {
   c10::cuda::CUDAGuard guard(cache.device());
   pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
+  check_args<pkv_load_args>(a, pkv_load_check,
+                            {{&pkv_load_args::lookup_table, &lookup_table},
+                             {&pkv_load_args::seq_lens, &seq_lens},
+                             {&pkv_load_args::output_row_offsets, &output_row_offsets}});
   pkv_error err{};
-  raise_if_failed(pkv_load_check(&a, /*check_values=*/0, &err), err);
-  if (checks_enabled()) {
-    std::vector<at::Tensor> keep;
-    pkv_load_args h = a;
-    h.lookup_table = host_index(lookup_table, keep);
-    h.seq_lens = host_index(seq_lens, keep);
-    h.output_row_offsets = host_index(output_row_offsets, keep);
-    raise_if_failed(pkv_load_check(&h, /*check_values=*/1, &err), err);
-  }
   raise_if_failed(pkv_cuda_load_supported(&a, &err), err);
   raise_cuda(pkv_cuda_load(&a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void attn_cuda(const pkv_attn_args &a, const at::Tensor &q, const at::Tensor &input_row_offsets,
                const at::Tensor &cache_lengths, const at::Tensor &lookup_table) {
+  check_args<pkv_attn_args>(a, pkv_attn_check,
+                            {{&pkv_attn_args::input_row_offsets, &input_row_offsets},
+                             {&pkv_attn_args::cache_lengths, &cache_lengths},
+                             {&pkv_attn_args::lookup_table, &lookup_table}});
   pkv_error err{};
-  raise_if_failed(pkv_attn_check(&a, /*check_values=*/0, &err), err);
-  if (checks_enabled()) {
-    std::vector<at::Tensor> keep;
-    pkv_attn_args h = a;
-    h.input_row_offsets = host_index(input_row_offsets, keep);
-    h.cache_lengths = host_index(cache_lengths, keep);
-    h.lookup_table = host_index(lookup_table, keep);
-    raise_if_failed(pkv_attn_check(&h, /*check_values=*/1, &err), err);
-  }
   pkv_cuda_attn_plan plan{};
   raise_if_failed(pkv_cuda_attn_plan_make(&a, q.get_device(), cuda_loader(), &plan, &err), err);
   // Split-KV scratch from torch's caching allocator (stream-ordered, and the
@@ -159,12 +166,6 @@ at::Tensor debug_load_tile_cuda(const at::Tensor &cache, const at::Tensor &looku
 
 }  // namespace
 }  // namespace pagedkv
-
-TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def(
-      "debug_load_tile(Tensor cache, Tensor lookup_table, Tensor seq_lens, int batch, int kv_head, "
-      "int first_key, int loader) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("paged_store", &pagedkv::paged_store_cuda);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the C core unit tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 #
-# Every tests/c/test_*.c is its own binary, linked with all of csrc/core/*.c and -lm.
+# Every tests/c/test_*.c is its own binary, linked with the C library (csrc/core, csrc/cpu; the
+# list of scripts/isa_flags.sh) and -lm.
 # Usage: tests/c/run.sh [test_name ...]   (default: all; names without .c, e.g. test_page_manager)
 # Environment: CC (default gcc), EXTRA_CFLAGS (appended to the compile flags).
 set -euo pipefail
@@ -16,21 +17,21 @@ cc="${CC:-gcc}"
 # PKV_PM_ALLOC_FAILURE_INJECTION: test hook letting tests make the page manager's allocations fail.
 cflags=(-std=c11 -O1 -g -fno-omit-frame-pointer
   -fsanitize=address,undefined -fno-sanitize-recover=all
-  -Wall -Wextra -pthread -I"$root/csrc/core" -DPKV_PM_ALLOC_FAILURE_INJECTION ${EXTRA_CFLAGS:-})
+  -Wall -Wextra -pthread -I"$root/csrc/core" -I"$root/csrc/cpu" -I"$root/csrc/cpu/kernels" -DPKV_PM_ALLOC_FAILURE_INJECTION ${EXTRA_CFLAGS:-})
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
 mkdir -p "$bin/core"
 rm -f "$bin"/core/*.o
 
-# The core is compiled once and linked into every test.
+# The C library is compiled once and linked into every test.
 objects=()
-for source in "$root"/csrc/core/*.c; do
+while read -r source; do
   object="$bin/core/$(basename "$source" .c).o"
   # shellcheck disable=SC2046  # the ISA variants' flags are a word list
   "$cc" "${cflags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
   objects+=("$object")
-done
+done < <(c_sources)
 
 tests=()
 if [ "$#" -gt 0 ]; then

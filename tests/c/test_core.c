@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "pkv_numeric.h"
-#include "pkv_ops.h"
+#include "pkv_cpu_ops.h"
 #include "check.h"
 
 static uint32_t f32_bits(float x) {

@@ -1,15 +1,15 @@
-/* pagedkv core: the CPU kernels' ISA table (internal to csrc/core).
+/* pagedkv CPU backend: the CPU kernels' ISA table (internal to csrc/cpu).
  *
- * pkv_cpu_kernels.inc is compiled once per ISA (pkv_cpu_scalar.c,
+ * kernels/pkv_cpu_kernels.inc is compiled once per ISA (isa/pkv_cpu_scalar.c,
  * pkv_cpu_avx2.c, pkv_cpu_avx512.c, each with its own compiler flags) into
  * one pkv_cpu_kernels table. pkv_cpu_kernels_get() picks the table once, from
  * cpuid, or from PAGEDKV_CPU_ISA=scalar|avx2|avx512 when set (a request the
  * CPU cannot run falls back to the best it can). The op drivers
- * (pkv_attn_cpu.c, pkv_store_cpu.c) stay ISA-free and call through the table. */
+ * (flash_attn_paged.c, paged_store.c, paged_load.c) stay ISA-free and call through the table. */
 #ifndef PKV_CPU_H
 #define PKV_CPU_H
 
-#include "pkv_ops.h"
+#include "pkv_cpu_ops.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,4 +1,4 @@
-/* pagedkv core: flash_attn_paged on the CPU, the ISA-free driver.
+/* pagedkv CPU backend: flash_attn_paged on the CPU, the ISA-free driver.
  *
  * The plan lists work items (batch row, KV head, block of query rows, key
  * range). All query heads that share a KV head are one item, so every K/V
@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "pkv_cpu.h"
-#include "pkv_numeric.h"
+#include "../core/pkv_numeric.h"
 
 /* Query vectors (rows x query heads of one KV head) per item: each packed
  * 64-key tile is reused by 256 vectors (1.1x prefill over 128 on AMX), and

@@ -1,4 +1,4 @@
-/* pagedkv core: pick the CPU kernel table once per process.
+/* pagedkv CPU backend: pick the CPU kernel table once per process.
  *
  * cpuid and XGETBV (the OS must save the wider registers) decide what the CPU
  * can run; PAGEDKV_CPU_ISA=scalar|avx2|avx512|amx lowers the choice (tests force

@@ -1,4 +1,4 @@
-/* pagedkv core: the CPU kernels for AVX-512 (F, BW, VL) with AVX512_BF16 dot
+/* pagedkv CPU backend: the CPU kernels for AVX-512 (F, BW, VL) with AVX512_BF16 dot
  * products. Built alone with -mavx512f -mavx512bw -mavx512vl -mavx512bf16
  * -mfma -mf16c (setup.py); run only when cpuid says so. The bf16 dot-product
  * path is taken only when the CPU also has AVX512_BF16 (pkv_cpu_has_dot_bf16). */
@@ -6,4 +6,4 @@
 #define PKV_CPU_DOT_BF16 1
 #define PKV_CPU_TABLE pkv_cpu_kernels_avx512
 #define PKV_CPU_NAME "avx512"
-#include "pkv_cpu_kernels.inc"
+#include "../kernels/pkv_cpu_kernels.inc"

@@ -1,4 +1,4 @@
-/* pagedkv core: the CPU kernels for AVX-512 + AVX512_BF16 with AMX tiles
+/* pagedkv CPU backend: the CPU kernels for AVX-512 + AVX512_BF16 with AMX tiles
  * (AMX-TILE, AMX-BF16). Built alone with -mamx-tile -mamx-bf16 -mavx512vbmi and the
  * AVX-512 flags (setup.py); chosen only when cpuid reports AMX-BF16, XCR0
  * enables the tile state and Linux grants it (arch_prctl, pkv_cpu_dispatch.c).
@@ -9,4 +9,4 @@
 #define PKV_CPU_AMX 1
 #define PKV_CPU_TABLE pkv_cpu_kernels_amx
 #define PKV_CPU_NAME "amx"
-#include "pkv_cpu_kernels.inc"
+#include "../kernels/pkv_cpu_kernels.inc"

@@ -1,4 +1,4 @@
-/* pagedkv core: the small vector vocabulary the CPU kernels are written in.
+/* pagedkv CPU backend: the small vector vocabulary the CPU kernels are written in.
  *
  * pkv_cpu_kernels.inc is compiled three times, once per ISA file, with one of
  * PKV_SIMD_AVX512, PKV_SIMD_AVX2 or neither (scalar) defined. This header maps
@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "pkv_numeric.h"
+#include "../../core/pkv_numeric.h"
 
 #define PKV_AI static inline __attribute__((always_inline))
 

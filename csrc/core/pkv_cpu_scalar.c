@@ -1,4 +1,0 @@
-/* pagedkv core: the CPU kernels for any x86-64 (or other) CPU, no vector ISA flags. */
-#define PKV_CPU_TABLE pkv_cpu_kernels_scalar
-#define PKV_CPU_NAME "scalar"
-#include "pkv_cpu_kernels.inc"

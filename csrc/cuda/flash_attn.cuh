@@ -1,0 +1,23 @@
+// pagedkv CUDA backend: what flash_attn_paged's kernel (flash_attn_paged.cu)
+// and its host-side plan (flash_attn_plan.cu) share.
+#pragma once
+
+#include "tile.cuh"
+
+namespace pkv {
+
+constexpr int kAttnRowsM = 64;  // packed (query row, query head) rows per CTA
+constexpr int kMaxSplits = 32;  // the combine kernel keeps one split per lane
+
+// Keys per K/V tile of the attention kernel for head size d.
+inline int64_t tile_keys_for(int64_t d) { return attn_tile_keys(static_cast<int>(d)); }
+
+// Whether `loader` can load tiles of these K and V views (flash_attn_plan.cu).
+bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v);
+// The tensor maps the TMA loaders read K and V through; nothing for cp.async (flash_attn_plan.cu).
+cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v, CUtensorMap *kmap,
+                        CUtensorMap *vmap);
+// PTX version the device's binary holds for the loader's kernel, 0 when none (flash_attn_paged.cu).
+int loader_kernel_ptx_version(pkv_loader loader);
+
+}  // namespace pkv

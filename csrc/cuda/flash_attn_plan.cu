@@ -1,0 +1,152 @@
+// pagedkv CUDA backend: the host-side plan of flash_attn_paged. From shapes
+// only (index values live on the device and are never read here): which K/V
+// tile loader runs (what the device and the fat binary support, and what the
+// cache view fits), the tensor maps of the TMA loaders, and how many KV
+// splits a decode-like call needs to fill the SMs. The kernel and its
+// launcher are in flash_attn_paged.cu.
+#include "flash_attn.cuh"
+
+namespace pkv {
+
+bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return true;
+  case PKV_LOADER_TMA_PAGES:
+    return tma_view_ok(k) && tma_view_ok(v) && tma_box_rows(k.page_size, tile_keys_for(k.head_dim)) > 0;
+  case PKV_LOADER_TMA_GATHER4:
+    return tma_rows_ok(k) && tma_rows_ok(v) && pkv_cache_rows_per_page(&k) == pkv_cache_rows_per_page(&v);
+  default: return false;
+  }
+}
+
+cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v, CUtensorMap *kmap,
+                        CUtensorMap *vmap) {
+  if (loader == PKV_LOADER_TMA_PAGES) {
+    const int rows = tma_box_rows(k.page_size, tile_keys_for(k.head_dim));
+    PKV_CUDA_TRY(tma_map_pages(kmap, k, rows));
+    return tma_map_pages(vmap, v, rows);
+  }
+  if (loader == PKV_LOADER_TMA_GATHER4) {
+    PKV_CUDA_TRY(tma_map_rows(kmap, k));
+    return tma_map_rows(vmap, v);
+  }
+  return cudaSuccess;
+}
+
+}  // namespace pkv
+
+extern "C" {
+
+const char *pkv_loader_name(pkv_loader loader) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return "cp.async";
+  case PKV_LOADER_TMA_PAGES: return "tma-pages";
+  case PKV_LOADER_TMA_GATHER4: return "tma-gather4";
+  default: return "unknown";
+  }
+}
+
+int pkv_cuda_loader_available(int device, pkv_loader loader) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  if (previous != device) cudaSetDevice(device);
+  const int ptx = pkv::loader_kernel_ptx_version(loader);
+  if (previous != device) cudaSetDevice(previous);
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return major >= 8 && ptx >= 80;
+  case PKV_LOADER_TMA_PAGES: return major == 9 && ptx >= 90 && ptx < 100;
+  case PKV_LOADER_TMA_GATHER4: return major == 10 && ptx >= 100;
+  default: return 0;
+  }
+}
+
+pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
+                                   pkv_error *err) {
+  const char *op = "flash_attn_paged";
+  const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
+  if (qd != PKV_DTYPE_BF16 && qd != PKV_DTYPE_F16)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: q dtype %s is not supported on CUDA (use float16 or bfloat16)", op,
+                    pkv_dtype_name(qd));
+  if (kd != vd)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: k_cache (%s) and v_cache (%s) of different dtypes are not supported on CUDA", op,
+                    pkv_dtype_name(kd), pkv_dtype_name(vd));
+  if (!pkv_dtype_is_fp8(kd) && kd != qd)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: a %s cache with %s queries is not supported on CUDA (the cache must have q's dtype or be "
+                    "float8_e4m3fn/float8_e5m2)",
+                    op, pkv_dtype_name(kd), pkv_dtype_name(qd));
+  const int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3];
+  if (d != dv)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: D = %lld != Dv = %lld is not supported on CUDA", op, (long long)d,
+                    (long long)dv);
+  if (d != 64 && d != 96 && d != 128 && d != 256)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: head size %lld is not supported on CUDA (64, 96, 128 or 256)", op,
+                    (long long)d);
+  if (a->q.sizes[0] > (int64_t(1) << 31) / 2)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: more than 2^30 query rows are not supported on CUDA", op);
+
+  pkv_cache_view k = pkv_cache_view_from(&a->k_cache), v = pkv_cache_view_from(&a->v_cache);
+  int major = 0, sms = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: cannot query CUDA device %d", op, device);
+  }
+  if (major < 8)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
+                    op, major);
+
+  pkv_loader loader = PKV_LOADER_CP_ASYNC;
+  CUtensorMap kmap, vmap;
+  if (force_loader >= 0) {
+    loader = static_cast<pkv_loader>(force_loader);
+    if (force_loader >= PKV_LOADER_COUNT || !pkv_cuda_loader_available(device, loader))
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s is not available on CUDA device %d", op,
+                      pkv_loader_name(loader), device);
+    if (!pkv::loader_fits(loader, k, v) || pkv::encode_maps(loader, k, v, &kmap, &vmap) != cudaSuccess)
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this cache view on CUDA", op,
+                      pkv_loader_name(loader));
+  } else {
+    const pkv_loader order[2] = {PKV_LOADER_TMA_GATHER4, PKV_LOADER_TMA_PAGES};
+    for (pkv_loader l : order)
+      if (pkv_cuda_loader_available(device, l) && pkv::loader_fits(l, k, v) &&
+          pkv::encode_maps(l, k, v, &kmap, &vmap) == cudaSuccess) {
+        loader = l;
+        break;
+      }
+  }
+
+  // Split-KV only when (estimated) tiles x KV heads leave SMs idle. Estimated
+  // from shapes: index values live on the device and are never read here.
+  const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
+  const int64_t batch = a->cache_lengths.sizes[0], group = hq / hk;
+  int64_t tiles = (t * group + pkv::kAttnRowsM - 1) / pkv::kAttnRowsM;
+  tiles = tiles > batch ? tiles : batch;
+  const int64_t ctas = (tiles > 0 ? tiles : 1) * hk;
+  const int64_t max_key_tiles =
+      (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
+  int64_t splits = 1;
+  if (ctas < sms) {
+    splits = (2 * (int64_t)sms + ctas - 1) / ctas;
+    if (splits > max_key_tiles) splits = max_key_tiles;
+    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
+    if (splits < 1) splits = 1;
+  }
+  plan->device = device;
+  plan->num_sms = sms;
+  plan->loader = loader;
+  plan->num_splits = static_cast<int>(splits);
+  plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
+  plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+  return PKV_OK;
+}
+
+}  // extern "C"
