@@ -68,18 +68,22 @@ CPU_ISA_FLAGS = read_isa_flags()
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # The C library: the core, the CPU backend and its ISA files without flags (the scalar one).
 C_SOURCES = rel("csrc/core/*.c") + rel("csrc/cpu/*.c") + rel("csrc/cpu/isa/*.c")
+# build_clib recompiles an object when one of these changed ("obj_deps"; it ignores "depends").
 CORE_DEPENDS = rel("csrc/core/*.h") + rel("csrc/cpu/*.h") + rel("csrc/cpu/kernels/*")
 core_lib = (
     "pkv_core",
     {
         "sources": [s for s in C_SOURCES if s not in CPU_ISA_FLAGS],
         "cflags": C_FLAGS,
-        "depends": CORE_DEPENDS,
+        "obj_deps": {"": CORE_DEPENDS},
     },
 )
 # Listed after pkv_core: the static link resolves pkv_core's references to their tables.
 isa_libs = [
-    (os.path.splitext(os.path.basename(src))[0], {"sources": [src], "cflags": C_FLAGS + flags, "depends": CORE_DEPENDS})
+    (
+        os.path.splitext(os.path.basename(src))[0],
+        {"sources": [src], "cflags": C_FLAGS + flags, "obj_deps": {"": CORE_DEPENDS}},
+    )
     for src, flags in CPU_ISA_FLAGS.items()
 ] if IS_X86 else []
 

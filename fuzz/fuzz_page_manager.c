@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pkv_ops.h"
 #include "pkv_page_manager.h"
 
 extern long pkv_pm_fail_allocation_after; /* PKV_PM_ALLOC_FAILURE_INJECTION hook */
@@ -48,8 +49,9 @@ static void fail(const char *what, const char *detail) {
     if (!(cond)) fail(what, g_message); \
   } while (0)
 
-static char g_message[512];
-#define MSG g_message, sizeof g_message
+static pkv_error g_error;
+#define g_message g_error.message
+#define MSG (&g_error)
 
 /* ---- the model ---- */
 typedef struct {
@@ -69,19 +71,19 @@ typedef struct {
 /* Observable state: stats and every sequence id's length and page list. */
 typedef struct {
   pkv_page_manager_stats stats;
-  pkv_pm_status status[MAX_SEQS];
+  pkv_status status[MAX_SEQS];
   int64_t length[MAX_SEQS], num_pages[MAX_SEQS];
   int32_t pages[MAX_SEQS][MAX_PAGES + 1];
 } observation;
 
 static void observe(world *w, observation *o) {
   memset(o, 0, sizeof *o);
-  REQUIRE(pkv_page_manager_get_stats(w->pm, &o->stats, MSG) == PKV_PM_OK, "get_stats succeeds");
+  REQUIRE(pkv_page_manager_get_stats(w->pm, &o->stats, MSG) == PKV_OK, "get_stats succeeds");
   for (int s = 0; s < MAX_SEQS; s++) {
     o->status[s] = pkv_page_manager_length(w->pm, s, &o->length[s], MSG);
-    if (o->status[s] != PKV_PM_OK) continue;
-    pkv_pm_status st = pkv_page_manager_pages(w->pm, s, o->pages[s], MAX_PAGES + 1, &o->num_pages[s], MSG);
-    REQUIRE(st == PKV_PM_OK, "pages of a live sequence");
+    if (o->status[s] != PKV_OK) continue;
+    pkv_status st = pkv_page_manager_pages(w->pm, s, o->pages[s], MAX_PAGES + 1, &o->num_pages[s], MSG);
+    REQUIRE(st == PKV_OK, "pages of a live sequence");
   }
 }
 
@@ -89,7 +91,7 @@ static int same_observation(const observation *a, const observation *b) {
   if (memcmp(&a->stats, &b->stats, sizeof a->stats) != 0) return 0;
   for (int s = 0; s < MAX_SEQS; s++) {
     if (a->status[s] != b->status[s]) return 0;
-    if (a->status[s] != PKV_PM_OK) continue;
+    if (a->status[s] != PKV_OK) continue;
     if (a->length[s] != b->length[s] || a->num_pages[s] != b->num_pages[s]) return 0;
     if (memcmp(a->pages[s], b->pages[s], (size_t)a->num_pages[s] * sizeof(int32_t)) != 0) return 0;
   }
@@ -98,7 +100,7 @@ static int same_observation(const observation *a, const observation *b) {
 
 /* Everything the model knows must match the manager. */
 static void verify(world *w) {
-  REQUIRE(pkv_page_manager_check_invariants(w->pm, MSG) == PKV_PM_OK, "check_invariants");
+  REQUIRE(pkv_page_manager_check_invariants(w->pm, MSG) == PKV_OK, "check_invariants");
   observation o;
   observe(w, &o);
   int live = 0;
@@ -106,10 +108,10 @@ static void verify(world *w) {
     model_seq *m = &w->seq[s];
     live += m->live;
     if (!m->live) {
-      REQUIRE(o.status[s] == PKV_PM_NO_SUCH_SEQUENCE, "released or never added sequence is unknown");
+      REQUIRE(o.status[s] == PKV_ERR_NO_SUCH_SEQUENCE, "released or never added sequence is unknown");
       continue;
     }
-    REQUIRE(o.status[s] == PKV_PM_OK, "live sequence is known");
+    REQUIRE(o.status[s] == PKV_OK, "live sequence is known");
     REQUIRE(o.length[s] == m->length, "length matches the model");
     REQUIRE(o.num_pages[s] * w->P >= m->length, "capacity covers the length");
     for (int64_t pos = 0; pos < m->length; pos++) {
@@ -127,12 +129,12 @@ static void verify(world *w) {
 }
 
 /* A failed call must leave the observation unchanged. */
-static void expect_unchanged(world *w, const observation *before, pkv_pm_status st, const char *op) {
-  if (st == PKV_PM_OK) return;
+static void expect_unchanged(world *w, const observation *before, pkv_status st, const char *op) {
+  if (st == PKV_OK) return;
   observation after;
   observe(w, &after);
   if (!same_observation(before, &after)) {
-    snprintf(g_message, sizeof g_message, "%s failed with %s", op, pkv_pm_status_name(st));
+    snprintf(g_message, sizeof g_message, "%s failed with %s", op, pkv_status_name(st));
     fail("a failed call changes nothing", g_message);
   }
 }
@@ -140,26 +142,26 @@ static void expect_unchanged(world *w, const observation *before, pkv_pm_status 
 static int32_t alphabet_token(reader *r) { return 1 + (int32_t)take_below(r, 3); }
 
 /* reserve(n), then apply the copy-on-write pairs to the pool contents. */
-static pkv_pm_status do_reserve(world *w, int s, int64_t n, int64_t copy_capacity) {
+static pkv_status do_reserve(world *w, int s, int64_t n, int64_t copy_capacity) {
   int32_t src[MAX_PAGES + 1], dst[MAX_PAGES + 1];
   int64_t copies = -1;
   observation before;
   observe(w, &before);
-  pkv_pm_status st = pkv_page_manager_reserve(w->pm, s, n, src, dst, copy_capacity, &copies, MSG);
+  pkv_status st = pkv_page_manager_reserve(w->pm, s, n, src, dst, copy_capacity, &copies, MSG);
   expect_unchanged(w, &before, st, "reserve");
-  if (st != PKV_PM_OK) return st;
+  if (st != PKV_OK) return st;
   REQUIRE(copies >= 0 && copies <= copy_capacity, "copy count within the given capacity");
-  REQUIRE(pkv_copy_pages_check(w->N, src, dst, copies, MSG) == PKV_PM_OK, "reserve's copies pass copy_pages_check");
+  REQUIRE(pkv_copy_pages_check_values(w->N, src, dst, copies, MSG) == PKV_OK, "reserve's copies pass copy_pages_check");
   for (int64_t i = 0; i < copies; i++) memcpy(w->content[dst[i]], w->content[src[i]], sizeof w->content[0]);
   return st;
 }
 
 /* Write n tokens at the sequence's length (as paged_store would), then commit them. */
-static pkv_pm_status do_commit(world *w, int s, int64_t n, const int32_t *tokens) {
+static pkv_status do_commit(world *w, int s, int64_t n, const int32_t *tokens) {
   int32_t pages[MAX_PAGES + 1];
   int64_t num_pages = 0, length = 0;
-  if (pkv_page_manager_length(w->pm, s, &length, MSG) != PKV_PM_OK) length = 0;
-  if (pkv_page_manager_pages(w->pm, s, pages, MAX_PAGES + 1, &num_pages, MSG) != PKV_PM_OK) num_pages = 0;
+  if (pkv_page_manager_length(w->pm, s, &length, MSG) != PKV_OK) length = 0;
+  if (pkv_page_manager_pages(w->pm, s, pages, MAX_PAGES + 1, &num_pages, MSG) != PKV_OK) num_pages = 0;
   /* writes go to a scratch pool: kept only if the manager accepts the commit */
   static int64_t scratch[MAX_PAGES][MAX_PAGE_SIZE];
   memcpy(scratch, w->content, sizeof scratch);
@@ -171,9 +173,9 @@ static pkv_pm_status do_commit(world *w, int s, int64_t n, const int32_t *tokens
   }
   observation before;
   observe(w, &before);
-  pkv_pm_status st = pkv_page_manager_commit(w->pm, s, n, tokens, MSG);
+  pkv_status st = pkv_page_manager_commit(w->pm, s, n, tokens, MSG);
   expect_unchanged(w, &before, st, "commit");
-  if (st != PKV_PM_OK) return st;
+  if (st != PKV_OK) return st;
   REQUIRE(n >= 0 && length + n <= num_pages * w->P, "commit within capacity");
   memcpy(w->content, scratch, sizeof scratch);
   if (!tokens) w->next_synthetic += n;
@@ -191,10 +193,10 @@ static void op_add(world *w, reader *r) {
   int64_t cached = -1;
   observation before;
   observe(w, &before);
-  pkv_pm_status st = pkv_page_manager_add_sequence(w->pm, s, len ? prompt : NULL, len, &cached, MSG);
+  pkv_status st = pkv_page_manager_add_sequence(w->pm, s, len ? prompt : NULL, len, &cached, MSG);
   expect_unchanged(w, &before, st, "add_sequence");
-  if (st != PKV_PM_OK) {
-    REQUIRE(w->seq[s].live || st != PKV_PM_SEQUENCE_EXISTS, "SEQUENCE_EXISTS only for a live id");
+  if (st != PKV_OK) {
+    REQUIRE(w->seq[s].live || st != PKV_ERR_SEQUENCE_EXISTS, "SEQUENCE_EXISTS only for a live id");
     return;
   }
   REQUIRE(!w->seq[s].live, "add_sequence of a live id must fail");
@@ -204,7 +206,7 @@ static void op_add(world *w, reader *r) {
   m->length = cached;
   for (int64_t i = 0; i < cached; i++) m->history[i] = prompt[i];
   verify(w); /* shared prefix pages must hold the prompt's tokens */
-  if (len > cached && do_reserve(w, s, len - cached, MAX_PAGES + 1) == PKV_PM_OK)
+  if (len > cached && do_reserve(w, s, len - cached, MAX_PAGES + 1) == PKV_OK)
     do_commit(w, s, len - cached, prompt + cached);
 }
 
@@ -238,9 +240,9 @@ static void op_fork(world *w, reader *r) {
   int src = (int)take_below(r, MAX_SEQS), dst = (int)take_below(r, MAX_SEQS);
   observation before;
   observe(w, &before);
-  pkv_pm_status st = pkv_page_manager_fork(w->pm, src, dst, MSG);
+  pkv_status st = pkv_page_manager_fork(w->pm, src, dst, MSG);
   expect_unchanged(w, &before, st, "fork");
-  if (st != PKV_PM_OK) return;
+  if (st != PKV_OK) return;
   REQUIRE(w->seq[src].live && !w->seq[dst].live, "fork needs a live source and a free target");
   w->seq[dst] = w->seq[src];
 }
@@ -249,9 +251,9 @@ static void op_release(world *w, reader *r) {
   int s = (int)take_below(r, MAX_SEQS);
   observation before;
   observe(w, &before);
-  pkv_pm_status st = pkv_page_manager_release(w->pm, s, MSG);
+  pkv_status st = pkv_page_manager_release(w->pm, s, MSG);
   expect_unchanged(w, &before, st, "release");
-  REQUIRE((st == PKV_PM_OK) == (w->seq[s].live != 0), "release succeeds exactly for live ids");
+  REQUIRE((st == PKV_OK) == (w->seq[s].live != 0), "release succeeds exactly for live ids");
   w->seq[s].live = 0;
 }
 
@@ -260,27 +262,27 @@ static void op_export(world *w, reader *r) {
   int64_t count = take_below(r, 6);
   for (int64_t i = 0; i < count; i++) ids[i] = take_below(r, MAX_SEQS + 1) - (take(r) == 255 ? 9 : 0);
   int64_t width = -1;
-  pkv_pm_status wst = pkv_page_manager_export_width(w->pm, ids, count, &width, MSG);
-  int64_t given = wst == PKV_PM_OK && take(r) % 4 ? width : take_below(r, MAX_PAGES + 2);
+  pkv_status wst = pkv_page_manager_export_width(w->pm, ids, count, &width, MSG);
+  int64_t given = wst == PKV_OK && take(r) % 4 ? width : take_below(r, MAX_PAGES + 2);
   enum { SENTINEL = 0x5a5a5a5a };
   static int32_t table[8 * (MAX_PAGES + 64)], lengths[8];
   if (given > MAX_PAGES + 48) given = MAX_PAGES + 48;
   for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) table[i] = SENTINEL;
   for (int i = 0; i < 8; i++) lengths[i] = SENTINEL;
-  pkv_pm_status st = pkv_page_manager_export(w->pm, ids, count, table, given, lengths, MSG);
-  if (st != PKV_PM_OK) {
+  pkv_status st = pkv_page_manager_export(w->pm, ids, count, table, given, lengths, MSG);
+  if (st != PKV_OK) {
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) REQUIRE(table[i] == SENTINEL, "export writes nothing on error");
     for (int i = 0; i < 8; i++) REQUIRE(lengths[i] == SENTINEL, "export writes no length on error");
     return;
   }
-  REQUIRE(wst == PKV_PM_OK && width % PKV_PM_EXPORT_WIDTH_MULTIPLE == 0 && width >= PKV_PM_EXPORT_WIDTH_MULTIPLE,
+  REQUIRE(wst == PKV_OK && width % PKV_PM_EXPORT_WIDTH_MULTIPLE == 0 && width >= PKV_PM_EXPORT_WIDTH_MULTIPLE,
           "export width is a positive multiple");
   for (int64_t i = 0; i < count; i++) {
     int64_t s = ids[i];
     REQUIRE(s >= 0 && s < MAX_SEQS && w->seq[s].live, "export succeeds only for live ids");
     int32_t pages[MAX_PAGES + 1];
     int64_t num_pages = 0;
-    REQUIRE(pkv_page_manager_pages(w->pm, s, pages, MAX_PAGES + 1, &num_pages, MSG) == PKV_PM_OK, "pages");
+    REQUIRE(pkv_page_manager_pages(w->pm, s, pages, MAX_PAGES + 1, &num_pages, MSG) == PKV_OK, "pages");
     REQUIRE(lengths[i] == w->seq[s].length, "exported length");
     REQUIRE(num_pages <= given, "width holds every page");
     for (int64_t j = 0; j < given; j++)
@@ -292,15 +294,15 @@ static void op_export(world *w, reader *r) {
 static void op_pages_needed(world *w, reader *r) {
   int s = (int)take_below(r, MAX_SEQS);
   int64_t n = take_below(r, 3 * w->P + 1), needed = -1, copies = -1;
-  pkv_pm_status st = pkv_page_manager_pages_needed(w->pm, s, n, &needed, &copies, MSG);
-  if (st != PKV_PM_OK) return;
+  pkv_status st = pkv_page_manager_pages_needed(w->pm, s, n, &needed, &copies, MSG);
+  if (st != PKV_OK) return;
   REQUIRE(needed >= copies && copies >= 0, "pages_needed counts copies among the pages");
   pkv_page_manager_stats a, b;
-  REQUIRE(pkv_page_manager_get_stats(w->pm, &a, MSG) == PKV_PM_OK, "stats");
-  pkv_pm_status rs = do_reserve(w, s, n, MAX_PAGES + 1);
-  REQUIRE(pkv_page_manager_get_stats(w->pm, &b, MSG) == PKV_PM_OK, "stats");
-  if (rs == PKV_PM_OK) REQUIRE(a.free_pages - b.free_pages == needed, "reserve takes pages_needed free pages");
-  else REQUIRE(rs != PKV_PM_OUT_OF_PAGES || needed > a.free_pages, "out of pages only when short");
+  REQUIRE(pkv_page_manager_get_stats(w->pm, &a, MSG) == PKV_OK, "stats");
+  pkv_status rs = do_reserve(w, s, n, MAX_PAGES + 1);
+  REQUIRE(pkv_page_manager_get_stats(w->pm, &b, MSG) == PKV_OK, "stats");
+  if (rs == PKV_OK) REQUIRE(a.free_pages - b.free_pages == needed, "reserve takes pages_needed free pages");
+  else REQUIRE(rs != PKV_ERR_OUT_OF_PAGES || needed > a.free_pages, "out of pages only when short");
 }
 
 static void op_copy_check(world *w, reader *r) {
@@ -315,8 +317,8 @@ static void op_copy_check(world *w, reader *r) {
     ok &= src[i] >= 0 && src[i] < w->N && dst[i] >= 0 && dst[i] < w->N;
     for (int64_t j = 0; j < n; j++) ok &= (j == i || dst[i] != dst[j]) && dst[i] != src[j];
   }
-  pkv_pm_status st = pkv_copy_pages_check(w->N, src, dst, n, MSG);
-  REQUIRE((st == PKV_PM_OK) == ok, "copy_pages_check follows its rule");
+  pkv_status st = pkv_copy_pages_check_values(w->N, src, dst, n, MSG);
+  REQUIRE((st == PKV_OK) == ok, "copy_pages_check follows its rule");
 }
 
 /* Run one mutating call with the k-th host allocation failing: OUT_OF_MEMORY changes nothing. */
@@ -326,7 +328,7 @@ static void op_alloc_failure(world *w, reader *r) {
   observation before;
   observe(w, &before);
   int s = (int)take_below(r, MAX_SEQS);
-  pkv_pm_status st = PKV_PM_OK;
+  pkv_status st = PKV_OK;
   int32_t prompt[16];
   int64_t cached = 0, len = take_below(r, 16);
   for (int64_t i = 0; i < len; i++) prompt[i] = alphabet_token(r);
@@ -341,7 +343,7 @@ static void op_alloc_failure(world *w, reader *r) {
     int32_t src_p[MAX_PAGES + 1], dst_p[MAX_PAGES + 1];
     int64_t copies = 0;
     st = pkv_page_manager_reserve(w->pm, s, n, src_p, dst_p, MAX_PAGES + 1, &copies, MSG);
-    if (st == PKV_PM_OK) /* the caller copies the pages, as after any reserve */
+    if (st == PKV_OK) /* the caller copies the pages, as after any reserve */
       for (int64_t i = 0; i < copies; i++) memcpy(w->content[dst_p[i]], w->content[src_p[i]], sizeof w->content[0]);
     break;
   }
@@ -354,14 +356,14 @@ static void op_alloc_failure(world *w, reader *r) {
   }
   long left = pkv_pm_fail_allocation_after;
   pkv_pm_fail_allocation_after = 0;
-  if (st == PKV_PM_OUT_OF_MEMORY) {
+  if (st == PKV_ERR_OUT_OF_MEMORY) {
     REQUIRE(left == 0, "OUT_OF_MEMORY only when an allocation failed");
     expect_unchanged(w, &before, st, "call with a failed allocation");
     return;
   }
   /* the call did not hit the failing allocation: bring the model up to date */
   expect_unchanged(w, &before, st, "call");
-  if (st != PKV_PM_OK) return;
+  if (st != PKV_OK) return;
   if (which == 0) {
     w->seq[s].live = 1;
     w->seq[s].length = cached;
@@ -380,7 +382,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   w.next_synthetic = 1000;
   for (int64_t p = 0; p < MAX_PAGES; p++)
     for (int64_t t = 0; t < MAX_PAGE_SIZE; t++) w.content[p][t] = -1;
-  REQUIRE(pkv_page_manager_create(w.N, w.P, &w.pm, MSG) == PKV_PM_OK, "create");
+  REQUIRE(pkv_page_manager_create(w.N, w.P, &w.pm, MSG) == PKV_OK, "create");
   for (int op = 0; op < MAX_OPS && r.pos < r.size; op++) {
     switch (take(&r) % 10) {
     case 0: case 1: op_add(&w, &r); break;
@@ -397,7 +399,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   pkv_page_manager_destroy(w.pm);
   /* bad create arguments fail cleanly */
   pkv_page_manager *bad = NULL;
-  REQUIRE(pkv_page_manager_create(0, 4, &bad, MSG) != PKV_PM_OK && bad == NULL, "create rejects 0 pages");
-  REQUIRE(pkv_page_manager_create(4, 0, &bad, MSG) != PKV_PM_OK && bad == NULL, "create rejects page size 0");
+  REQUIRE(pkv_page_manager_create(0, 4, &bad, MSG) != PKV_OK && bad == NULL, "create rejects 0 pages");
+  REQUIRE(pkv_page_manager_create(4, 0, &bad, MSG) != PKV_OK && bad == NULL, "create rejects page size 0");
   return 0;
 }

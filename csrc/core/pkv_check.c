@@ -1,4 +1,4 @@
-/* pagedkv core: the one checker per op. Both backends call these before
+/* pagedkv core: the one checker per op (copy_pages included). Every backend calls these before
  * writing anything; messages name the argument and the expected value. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,7 +92,8 @@ static pkv_status check_cache(const pkv_tensor *c, const char *op, const char *n
     return pkv_fail(err, PKV_ERR_ARGUMENT,
                     "%s: %s must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got %s", op, name,
                     pkv_dtype_name(c->dtype));
-  if (c->sizes[1] < 1) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s page size (size(1)) must be >= 1, got 0", op, name);
+  if (c->sizes[1] < 1) return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s page size (size(1)) must be >= 1, got 0", op,
+                                       name);
   if (c->sizes[2] < 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have at least one KV head (size(2)), got 0", op, name);
   if (c->sizes[3] < 1)
@@ -253,7 +254,8 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
   TRY(need_unit_last_stride(&a->key, op, "key", err));
   TRY(need_device(&a->key, device, op, "key", "k_cache", err));
   if (a->value.defined != a->v_cache.defined)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: value must be None if and only if v_cache is None (value is %s, v_cache is %s)",
+    return pkv_fail(err, PKV_ERR_ARGUMENT,
+                    "%s: value must be None if and only if v_cache is None (value is %s, v_cache is %s)",
                     op, a->value.defined ? "a tensor" : "None", a->v_cache.defined ? "a tensor" : "None");
   if (a->v_cache.defined) {
     TRY(check_cache(&a->v_cache, op, "v_cache", 1, err));
@@ -399,4 +401,32 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
       TRY(check_pages(&table, b, 0, pkv_pages_for(cached + added, page_size), a->k_cache.sizes[0], op, err));
   }
   return PKV_OK;
+}
+
+/* ---- copy_pages ---- */
+
+/* pool [N, ...]; src_pages, dst_pages int32 [C] on pool's device. */
+pkv_status pkv_copy_pages_check(const pkv_copy_pages_args *a, int check_values, pkv_error *err) {
+  const char *op = "copy_pages";
+  if (a->pool.ndim < 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: pool must have a page dim 0 ([N, ...]), got a 0-D tensor", op);
+  const pkv_tensor *lists[2] = {&a->src_pages, &a->dst_pages};
+  const char *names[2] = {"src_pages", "dst_pages"};
+  for (int i = 0; i < 2; i++) {
+    TRY(need_int32(lists[i], op, names[i], err));
+    if (lists[i]->ndim != 1)
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be 1-D [num_copies], got %d-D", op, names[i],
+                      lists[i]->ndim);
+    TRY(need_device(lists[i], a->pool.device, op, names[i], "pool", err));
+  }
+  if (a->src_pages.sizes[0] != a->dst_pages.sizes[0])
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: src_pages and dst_pages must have the same length, got %lld and %lld",
+                    op, (long long)a->src_pages.sizes[0], (long long)a->dst_pages.sizes[0]);
+  if (!check_values || a->src_pages.sizes[0] == 0) return PKV_OK;
+  for (int i = 0; i < 2; i++)
+    if (lists[i]->sizes[0] > 1 && lists[i]->strides[0] != 1)
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be contiguous to check its values", op, names[i]);
+  /* the value rule lives with the page manager that makes the copy lists (pkv_pm_copies.c) */
+  return pkv_copy_pages_check_values(a->pool.sizes[0], (const int32_t *)a->src_pages.data,
+                                     (const int32_t *)a->dst_pages.data, a->src_pages.sizes[0], err);
 }

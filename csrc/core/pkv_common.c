@@ -41,6 +41,22 @@ int pkv_dtype_is_fp8(pkv_dtype d) { return d == PKV_DTYPE_FP8_E4M3 || d == PKV_D
 
 int pkv_dtype_is_cache(pkv_dtype d) { return pkv_dtype_is_float_input(d) || pkv_dtype_is_fp8(d); }
 
+const char *pkv_status_name(pkv_status status) {
+  switch (status) {
+  case PKV_OK: return "PKV_OK";
+  case PKV_ERR_ARGUMENT: return "PKV_ERR_ARGUMENT";
+  case PKV_ERR_INDEX: return "PKV_ERR_INDEX";
+  case PKV_ERR_UNSUPPORTED: return "PKV_ERR_UNSUPPORTED";
+  case PKV_ERR_OUT_OF_PAGES: return "PKV_ERR_OUT_OF_PAGES";
+  case PKV_ERR_NO_SUCH_SEQUENCE: return "PKV_ERR_NO_SUCH_SEQUENCE";
+  case PKV_ERR_SEQUENCE_EXISTS: return "PKV_ERR_SEQUENCE_EXISTS";
+  case PKV_ERR_OUT_OF_MEMORY: return "PKV_ERR_OUT_OF_MEMORY";
+  case PKV_ERR_BUSY: return "PKV_ERR_BUSY";
+  case PKV_ERR_INVARIANT_VIOLATED: return "PKV_ERR_INVARIANT_VIOLATED";
+  }
+  return "PKV_ERR_UNKNOWN_STATUS";
+}
+
 pkv_status pkv_fail(pkv_error *err, pkv_status status, const char *fmt, ...) {
   if (err) {
     va_list ap;

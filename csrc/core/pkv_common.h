@@ -52,11 +52,19 @@ typedef struct {
   int64_t strides[PKV_MAX_DIMS]; /* in elements */
 } pkv_tensor;
 
+/* The one status convention of the C library: ops, checks and the page manager return these,
+ * with the message in a pkv_error. */
 typedef enum {
   PKV_OK = 0,
-  PKV_ERR_ARGUMENT = 1,   /* shape, dtype, stride, device, option */
-  PKV_ERR_INDEX = 2,      /* an index value (page id, length, offset) */
-  PKV_ERR_UNSUPPORTED = 3 /* valid, but this backend cannot run it */
+  PKV_ERR_ARGUMENT = 1,           /* shape, dtype, stride, device, option, an argument out of range */
+  PKV_ERR_INDEX = 2,              /* an index value (page id, length, offset) */
+  PKV_ERR_UNSUPPORTED = 3,        /* valid, but this backend cannot run it */
+  PKV_ERR_OUT_OF_PAGES = 4,       /* page manager: not enough free pages; nothing changed */
+  PKV_ERR_NO_SUCH_SEQUENCE = 5,   /* page manager: the sequence id is not in the manager */
+  PKV_ERR_SEQUENCE_EXISTS = 6,    /* page manager: add_sequence/fork target id is already in use */
+  PKV_ERR_OUT_OF_MEMORY = 7,      /* a host allocation failed; nothing changed */
+  PKV_ERR_BUSY = 8,               /* page manager: another call on this manager is in progress */
+  PKV_ERR_INVARIANT_VIOLATED = 9, /* page manager: check_invariants found corrupt state */
 } pkv_status;
 
 /* Error text for the caller; the core never aborts. */
@@ -66,6 +74,8 @@ typedef struct {
 } pkv_error;
 
 const char *pkv_dtype_name(pkv_dtype dtype);
+/* Short constant name of a status ("PKV_ERR_OUT_OF_PAGES"). */
+const char *pkv_status_name(pkv_status status);
 size_t pkv_dtype_size(pkv_dtype dtype);
 int pkv_dtype_is_float_input(pkv_dtype dtype); /* f32, f16, bf16 */
 int pkv_dtype_is_fp8(pkv_dtype dtype);

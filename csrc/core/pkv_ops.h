@@ -1,4 +1,4 @@
-/* pagedkv core: the contract ops as argument structs (descriptors) and one
+/* pagedkv core: the ops as argument structs (descriptors) and one
  * checker per op, shared by every backend (pkv_check.c). The backends' kernels
  * are declared in csrc/cpu/pkv_cpu_ops.h and csrc/cuda/pkv_cuda.h.
  *
@@ -55,11 +55,27 @@ typedef struct {
   double softcap;      /* 0: off */
 } pkv_attn_args;
 
+/* copy_pages: pool[dst_pages[i]] = pool[src_pages[i]] along dim 0 (the page manager's
+ * copy-on-write copies). */
+typedef struct {
+  pkv_tensor pool;      /* [N, ...] any dtype, any strides */
+  pkv_tensor src_pages; /* int32 [C] on pool's device, values in [0, N) */
+  pkv_tensor dst_pages; /* int32 [C], distinct and disjoint from src_pages */
+} pkv_copy_pages_args;
+
 /* check_values: also validate index values (page ids, lengths, offsets);
- * the index tensors' data must then be readable from the host. */
+ * the index tensors' data must then be readable from the host (for
+ * copy_pages: host-readable and contiguous). */
 pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error *err);
 pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err);
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err);
+pkv_status pkv_copy_pages_check(const pkv_copy_pages_args *a, int check_values, pkv_error *err);
+
+/* The value rule of copy_pages on plain arrays (num_copies entries each; may be NULL when 0):
+ * every entry in [0, num_pages), dst entries distinct and none also in src (so the copies can
+ * run in any order, or all at once). */
+pkv_status pkv_copy_pages_check_values(int64_t num_pages, const int32_t *src_pages, const int32_t *dst_pages,
+                                       int64_t num_copies, pkv_error *err);
 
 #ifdef __cplusplus
 }

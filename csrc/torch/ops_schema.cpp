@@ -1,5 +1,6 @@
-// pagedkv torch shims: the op schemas of CONTRACT.md, written by hand with
-// mutations marked (each mutated tensor has its own alias set).
+// pagedkv torch shims: every op schema of the library, written by hand with
+// mutations marked (each mutated tensor has its own alias set). The op files
+// (ops_cpu.cpp, ops_cuda.cpp, copy_pages.cpp) only register implementations.
 #include <torch/library.h>
 
 #include "pkv_torch.h"
@@ -34,4 +35,10 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
       "float softcap=0.0, *, Tensor(a!) out) -> ()");
+  // The page manager's copy-on-write block copy (copy_pages.cpp; CPU and CUDA).
+  m.def("copy_pages(Tensor(a!) pool, Tensor src_pages, Tensor dst_pages) -> ()");
+  // The shared-memory image of one K tile as a CUDA loader writes it (ops_cuda.cpp; CUDA only).
+  m.def(
+      "debug_load_tile(Tensor cache, Tensor lookup_table, Tensor seq_lens, int batch, int kv_head, "
+      "int first_key, int loader) -> Tensor");
 }

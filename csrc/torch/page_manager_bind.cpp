@@ -24,36 +24,33 @@ namespace py = pybind11;
 namespace pagedkv {
 namespace {
 
-// Room for the core's messages (they name the argument and values, well under this).
-constexpr size_t kMessageSize = 512;
-
 struct OutOfPages : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-[[noreturn]] void raise_status(pkv_pm_status status, const char *message) {
+[[noreturn]] void raise_status(pkv_status status, const char *message) {
   switch (status) {
-  case PKV_PM_NO_SUCH_SEQUENCE: throw py::key_error(message);
-  case PKV_PM_BAD_ARGUMENT:
-  case PKV_PM_SEQUENCE_EXISTS: throw py::value_error(message);
-  case PKV_PM_OUT_OF_PAGES: throw OutOfPages(message);
-  case PKV_PM_OUT_OF_MEMORY: PyErr_SetString(PyExc_MemoryError, message); throw py::error_already_set();
-  default: throw std::runtime_error(std::string(pkv_pm_status_name(status)) + ": " + message);
+  case PKV_ERR_NO_SUCH_SEQUENCE: throw py::key_error(message);
+  case PKV_ERR_ARGUMENT:
+  case PKV_ERR_SEQUENCE_EXISTS: throw py::value_error(message);
+  case PKV_ERR_OUT_OF_PAGES: throw OutOfPages(message);
+  case PKV_ERR_OUT_OF_MEMORY: PyErr_SetString(PyExc_MemoryError, message); throw py::error_already_set();
+  default: throw std::runtime_error(std::string(pkv_status_name(status)) + ": " + message);
   }
 }
 
-// Runs a core call with a message buffer and raises on failure.
+// Runs a core call with an error record and raises on failure.
 template <typename Call>
 void call_core(Call &&call) {
-  char message[kMessageSize] = {0};
-  const pkv_pm_status status = call(message, sizeof message);
-  if (status != PKV_PM_OK) raise_status(status, message);
+  pkv_error err{};
+  const pkv_status status = call(&err);
+  if (status != PKV_OK) raise_status(status, err.message);
 }
 
 class PageManager {
  public:
   PageManager(int64_t num_pages, int64_t page_size) {
-    call_core([&](char *m, size_t n) { return pkv_page_manager_create(num_pages, page_size, &manager_, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_create(num_pages, page_size, &manager_, e); });
   }
   ~PageManager() { pkv_page_manager_destroy(manager_); }
   PageManager(const PageManager &) = delete;
@@ -61,7 +58,7 @@ class PageManager {
 
   py::dict stats() {
     pkv_page_manager_stats s{};
-    call_core([&](char *m, size_t n) { return pkv_page_manager_get_stats(manager_, &s, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_get_stats(manager_, &s, e); });
     py::dict d;
     d["num_pages"] = s.num_pages;
     d["page_size"] = s.page_size;
@@ -80,17 +77,17 @@ class PageManager {
   // Returns the number of prompt tokens already cached.
   int64_t add_sequence(int64_t seq_id, const std::vector<int32_t> &prompt_tokens) {
     int64_t cached = 0;
-    call_core([&](char *m, size_t n) {
+    call_core([&](pkv_error *e) {
       return pkv_page_manager_add_sequence(manager_, seq_id, prompt_tokens.data(),
-                                           static_cast<int64_t>(prompt_tokens.size()), &cached, m, n);
+                                           static_cast<int64_t>(prompt_tokens.size()), &cached, e);
     });
     return cached;
   }
 
   int64_t pages_needed(int64_t seq_id, int64_t num_new_tokens) {
     int64_t needed = 0;
-    call_core([&](char *m, size_t n) {
-      return pkv_page_manager_pages_needed(manager_, seq_id, num_new_tokens, &needed, nullptr, m, n);
+    call_core([&](pkv_error *e) {
+      return pkv_page_manager_pages_needed(manager_, seq_id, num_new_tokens, &needed, nullptr, e);
     });
     return needed;
   }
@@ -101,9 +98,9 @@ class PageManager {
     const size_t capacity = pages(seq_id).size();
     std::vector<int32_t> src(capacity), dst(capacity);
     int64_t copies = 0;
-    call_core([&](char *m, size_t n) {
+    call_core([&](pkv_error *e) {
       return pkv_page_manager_reserve(manager_, seq_id, num_new_tokens, src.data(), dst.data(),
-                                      static_cast<int64_t>(capacity), &copies, m, n);
+                                      static_cast<int64_t>(capacity), &copies, e);
     });
     src.resize(static_cast<size_t>(copies));
     dst.resize(static_cast<size_t>(copies));
@@ -115,51 +112,50 @@ class PageManager {
       throw py::value_error("tokens: got " + std::to_string(tokens->size()) + " token ids for num_new_tokens " +
                             std::to_string(num_new_tokens));
     }
-    call_core([&](char *m, size_t n) {
-      return pkv_page_manager_commit(manager_, seq_id, num_new_tokens, tokens ? tokens->data() : nullptr, m, n);
+    call_core([&](pkv_error *e) {
+      return pkv_page_manager_commit(manager_, seq_id, num_new_tokens, tokens ? tokens->data() : nullptr, e);
     });
   }
 
   void fork(int64_t src_seq, int64_t dst_seq) {
-    call_core([&](char *m, size_t n) { return pkv_page_manager_fork(manager_, src_seq, dst_seq, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_fork(manager_, src_seq, dst_seq, e); });
   }
 
   void release(int64_t seq_id) {
-    call_core([&](char *m, size_t n) { return pkv_page_manager_release(manager_, seq_id, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_release(manager_, seq_id, e); });
   }
 
   int64_t length(int64_t seq_id) {
     int64_t length = 0;
-    call_core([&](char *m, size_t n) { return pkv_page_manager_length(manager_, seq_id, &length, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_length(manager_, seq_id, &length, e); });
     return length;
   }
 
   bool contains(int64_t seq_id) {
-    char message[kMessageSize] = {0};
+    pkv_error err{};
     int64_t length = 0;
-    const pkv_pm_status status = pkv_page_manager_length(manager_, seq_id, &length, message, sizeof message);
-    if (status == PKV_PM_NO_SUCH_SEQUENCE) return false;
-    if (status != PKV_PM_OK) raise_status(status, message);
+    const pkv_status status = pkv_page_manager_length(manager_, seq_id, &length, &err);
+    if (status == PKV_ERR_NO_SUCH_SEQUENCE) return false;
+    if (status != PKV_OK) raise_status(status, err.message);
     return true;
   }
 
   std::vector<int32_t> pages(int64_t seq_id) {
     int64_t count = 0;
-    char message[kMessageSize] = {0};
+    pkv_error err{};
     // First call learns the count (a too-small buffer is reported with the count filled in).
-    pkv_pm_status status = pkv_page_manager_pages(manager_, seq_id, nullptr, 0, &count, message, sizeof message);
-    if (status != PKV_PM_OK && status != PKV_PM_BAD_ARGUMENT) raise_status(status, message);
+    pkv_status status = pkv_page_manager_pages(manager_, seq_id, nullptr, 0, &count, &err);
+    if (status != PKV_OK && status != PKV_ERR_ARGUMENT) raise_status(status, err.message);
     std::vector<int32_t> out(static_cast<size_t>(count));
     call_core(
-        [&](char *m, size_t n) { return pkv_page_manager_pages(manager_, seq_id, out.data(), count, &count, m, n); });
+        [&](pkv_error *e) { return pkv_page_manager_pages(manager_, seq_id, out.data(), count, &count, e); });
     return out;
   }
 
   int64_t export_width(const std::vector<int64_t> &seq_ids) {
     int64_t width = 0;
-    call_core([&](char *m, size_t n) {
-      return pkv_page_manager_export_width(manager_, seq_ids.data(), static_cast<int64_t>(seq_ids.size()), &width, m,
-                                           n);
+    call_core([&](pkv_error *e) {
+      return pkv_page_manager_export_width(manager_, seq_ids.data(), static_cast<int64_t>(seq_ids.size()), &width, e);
     });
     return width;
   }
@@ -173,20 +169,20 @@ class PageManager {
     py::buffer_info lengths = cache_lengths.request(/*writable=*/true);
     check_int32_buffer(table, "lookup_table", batch * width);
     check_int32_buffer(lengths, "cache_lengths", batch);
-    call_core([&](char *m, size_t n) {
+    call_core([&](pkv_error *e) {
       return pkv_page_manager_export(manager_, seq_ids.data(), batch, static_cast<int32_t *>(table.ptr), width,
-                                     static_cast<int32_t *>(lengths.ptr), m, n);
+                                     static_cast<int32_t *>(lengths.ptr), e);
     });
   }
 
   void check_invariants() {
-    call_core([&](char *m, size_t n) { return pkv_page_manager_check_invariants(manager_, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_check_invariants(manager_, e); });
   }
 
  private:
   pkv_page_manager_stats get_stats() {
     pkv_page_manager_stats s{};
-    call_core([&](char *m, size_t n) { return pkv_page_manager_get_stats(manager_, &s, m, n); });
+    call_core([&](pkv_error *e) { return pkv_page_manager_get_stats(manager_, &s, e); });
     return s;
   }
 

@@ -1,5 +1,6 @@
 /* Unit tests of csrc/core/pkv_page_manager (run by tests/c/run.sh under ASan + UBSan). */
 #define _POSIX_C_SOURCE 200809L
+#include "pkv_ops.h"
 #include "pkv_page_manager.h"
 
 #include <pthread.h>
@@ -15,8 +16,9 @@
 /* Harness                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
-static char g_message[512];
-#define MSG g_message, sizeof g_message
+static pkv_error g_error;
+#define g_message g_error.message
+#define MSG (&g_error)
 
 static int g_checks;
 
@@ -34,12 +36,12 @@ static int g_checks;
 /* Runs a manager call and requires `expected`; the call must use MSG as its message buffer. */
 #define EXPECT_STATUS(expected, call)                                                               \
   do {                                                                                              \
-    const pkv_pm_status status_ = (call);                                                           \
-    CHECK(status_ == (expected), "%s returned %s, expected %s", #call, pkv_pm_status_name(status_), \
-          pkv_pm_status_name(expected));                                                            \
+    const pkv_status status_ = (call);                                                           \
+    CHECK(status_ == (expected), "%s returned %s, expected %s", #call, pkv_status_name(status_), \
+          pkv_status_name(expected));                                                            \
   } while (0)
 
-#define EXPECT_OK(call) EXPECT_STATUS(PKV_PM_OK, call)
+#define EXPECT_OK(call) EXPECT_STATUS(PKV_OK, call)
 
 #define EXPECT_MESSAGE_HAS(text) CHECK(strstr(g_message, (text)) != NULL, "message does not mention \"%s\"", (text))
 
@@ -148,17 +150,17 @@ static void snapshot_expect_unchanged(pkv_page_manager *manager, const snapshot 
 
 static void test_create_arguments(void) {
   pkv_page_manager *manager = (pkv_page_manager *)1;
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(0, 16, &manager, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(0, 16, &manager, MSG));
   EXPECT_MESSAGE_HAS("num_pages");
   CHECK(manager == NULL, "failed create must set *out_manager to NULL");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(8, 0, &manager, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(8, 0, &manager, MSG));
   EXPECT_MESSAGE_HAS("page_size");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(-3, 16, &manager, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(1LL << 31, 16, &manager, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(8, 16, NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(-3, 16, &manager, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(1LL << 31, 16, &manager, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(8, 16, NULL, MSG));
   /* NULL manager and NULL message buffers are reported, not crashed on. */
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_check_invariants(NULL, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_create(0, 16, &manager, NULL, 0));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_check_invariants(NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_create(0, 16, &manager, NULL));
   pkv_page_manager_destroy(NULL);
 
   manager = create(8, 4);
@@ -167,7 +169,7 @@ static void test_create_arguments(void) {
             stats.shared_pages == 0 && stats.num_sequences == 0,
         "fresh manager counters");
   check_invariants(manager);
-  CHECK(strcmp(pkv_pm_status_name(PKV_PM_OUT_OF_PAGES), "PKV_PM_OUT_OF_PAGES") == 0, "name");
+  CHECK(strcmp(pkv_status_name(PKV_ERR_OUT_OF_PAGES), "PKV_ERR_OUT_OF_PAGES") == 0, "name");
   pkv_page_manager_destroy(manager);
 }
 
@@ -175,7 +177,7 @@ static void test_reserve_commit(void) {
   pkv_page_manager *manager = create(8, 4);
   int32_t src[256], dst[256], pages[256];
   add_sequence(manager, 7, NULL, 0, 0);
-  EXPECT_STATUS(PKV_PM_SEQUENCE_EXISTS, pkv_page_manager_add_sequence(manager, 7, NULL, 0, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_SEQUENCE_EXISTS, pkv_page_manager_add_sequence(manager, 7, NULL, 0, &(int64_t){0}, MSG));
   EXPECT_MESSAGE_HAS("7");
   CHECK(pages_of(manager, 7, pages) == 0, "new sequence holds no page");
 
@@ -191,15 +193,15 @@ static void test_reserve_commit(void) {
 
   EXPECT_OK(pkv_page_manager_commit(manager, 7, 6, NULL, MSG));
   CHECK(length_of(manager, 7) == 6, "length after commit");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_commit(manager, 7, 3, NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_commit(manager, 7, 3, NULL, MSG));
   EXPECT_MESSAGE_HAS("capacity");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_commit(manager, 7, -1, NULL, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_reserve(manager, 7, -1, src, dst, 256, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_commit(manager, 7, -1, NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_reserve(manager, 7, -1, src, dst, 256, &(int64_t){0}, MSG));
   EXPECT_MESSAGE_HAS("num_new_tokens");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT,
+  EXPECT_STATUS(PKV_ERR_ARGUMENT,
                 pkv_page_manager_reserve(manager, 7, (1LL << 31), src, dst, 256, &(int64_t){0}, MSG));
   /* near INT64_MAX: the message must not compute length + n (signed overflow; UBSan aborts here) */
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_reserve(manager, 7, INT64_MAX, src, dst, 256, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_reserve(manager, 7, INT64_MAX, src, dst, 256, &(int64_t){0}, MSG));
   EXPECT_MESSAGE_HAS("int32 limit");
   EXPECT_OK(pkv_page_manager_commit(manager, 7, 2, NULL, MSG));
   CHECK(length_of(manager, 7) == 8, "length 8 fills both pages");
@@ -208,15 +210,15 @@ static void test_reserve_commit(void) {
   EXPECT_OK(pkv_page_manager_pages_needed(manager, 7, 9, &needed, &copies, MSG));
   CHECK(needed == 3 && copies == 0, "9 more tokens need 3 pages, got %lld", (long long)needed);
 
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_reserve(manager, 99, 1, src, dst, 256, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_reserve(manager, 99, 1, src, dst, 256, &(int64_t){0}, MSG));
   EXPECT_MESSAGE_HAS("99");
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_commit(manager, 99, 1, NULL, MSG));
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_release(manager, 99, MSG));
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_fork(manager, 99, 100, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_commit(manager, 99, 1, NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_release(manager, 99, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_fork(manager, 99, 100, MSG));
   EXPECT_MESSAGE_HAS("src_seq");
-  EXPECT_STATUS(PKV_PM_SEQUENCE_EXISTS, pkv_page_manager_fork(manager, 7, 7, MSG));
+  EXPECT_STATUS(PKV_ERR_SEQUENCE_EXISTS, pkv_page_manager_fork(manager, 7, 7, MSG));
   EXPECT_MESSAGE_HAS("dst_seq");
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_length(manager, 99, &needed, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_length(manager, 99, &needed, MSG));
   check_invariants(manager);
 
   /* Negative and huge ids are ordinary keys. */
@@ -252,18 +254,18 @@ static void test_out_of_pages_changes_nothing(void) {
   snapshot_take(manager, ids, 3, before);
   int64_t copies = -1;
   /* Sequence 2 needs a copy of its shared page 1 plus one new page: 2 > 1 free. */
-  EXPECT_STATUS(PKV_PM_OUT_OF_PAGES, pkv_page_manager_reserve(manager, 2, 6, src, dst, 256, &copies, MSG));
+  EXPECT_STATUS(PKV_ERR_OUT_OF_PAGES, pkv_page_manager_reserve(manager, 2, 6, src, dst, 256, &copies, MSG));
   EXPECT_MESSAGE_HAS("out of pages");
   EXPECT_MESSAGE_HAS("copy-on-write");
   snapshot_expect_unchanged(manager, before);
-  EXPECT_STATUS(PKV_PM_OUT_OF_PAGES, pkv_page_manager_reserve(manager, 3, 100, src, dst, 256, &copies, MSG));
+  EXPECT_STATUS(PKV_ERR_OUT_OF_PAGES, pkv_page_manager_reserve(manager, 3, 100, src, dst, 256, &copies, MSG));
   snapshot_expect_unchanged(manager, before);
   /* Too small a copy buffer is reported before anything changes. */
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_reserve(manager, 2, 1, src, dst, 0, &copies, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_reserve(manager, 2, 1, src, dst, 0, &copies, MSG));
   EXPECT_MESSAGE_HAS("copy_capacity");
   snapshot_expect_unchanged(manager, before);
   /* Writing into a shared page without reserve is refused. */
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_commit(manager, 2, 1, NULL, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_commit(manager, 2, 1, NULL, MSG));
   EXPECT_MESSAGE_HAS("share");
   snapshot_expect_unchanged(manager, before);
   /* A reserve that fits exactly succeeds: one copy, no new page. */
@@ -417,9 +419,9 @@ static void test_prefix_sharing(void) {
   add_sequence(manager, 33, prompt, 9, 8);
   check_invariants(manager);
 
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_add_sequence(manager, 40, NULL, 3, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_add_sequence(manager, 40, NULL, 3, &(int64_t){0}, MSG));
   EXPECT_MESSAGE_HAS("prompt_tokens");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_add_sequence(manager, 40, prompt, -1, &(int64_t){0}, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_add_sequence(manager, 40, prompt, -1, &(int64_t){0}, MSG));
   pkv_page_manager_destroy(manager); /* with live sequences: ASan checks for leaks */
 }
 
@@ -462,11 +464,11 @@ static void test_export(void) {
   /* Errors write nothing. */
   for (int i = 0; i < 4 * 32; ++i) table[i] = -7;
   const int64_t unknown[] = {1, 77};
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_export(manager, unknown, 2, table, 32, lengths, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_export(manager, unknown, 2, table, 32, lengths, MSG));
   EXPECT_MESSAGE_HAS("seq_ids[1]");
   EXPECT_MESSAGE_HAS("77");
-  EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_export_width(manager, unknown, 2, &width, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_page_manager_export(manager, ids, 4, table, 16, lengths, MSG));
+  EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_export_width(manager, unknown, 2, &width, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_page_manager_export(manager, ids, 4, table, 16, lengths, MSG));
   EXPECT_MESSAGE_HAS("width");
   for (int i = 0; i < 4 * 32; ++i) CHECK(table[i] == -7, "failed export wrote entry %d", i);
   pkv_page_manager_destroy(manager);
@@ -478,18 +480,18 @@ static void test_copy_pages_check(void) {
   const int32_t dst_dup[] = {3, 4, 3};
   const int32_t dst_overlap[] = {3, 4, 0};
   const int32_t out_of_range[] = {3, 8, 5};
-  EXPECT_OK(pkv_copy_pages_check(8, src, dst, 3, MSG));
-  EXPECT_OK(pkv_copy_pages_check(8, NULL, NULL, 0, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, src, dst_dup, 3, MSG));
+  EXPECT_OK(pkv_copy_pages_check_values(8, src, dst, 3, MSG));
+  EXPECT_OK(pkv_copy_pages_check_values(8, NULL, NULL, 0, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, src, dst_dup, 3, MSG));
   EXPECT_MESSAGE_HAS("dst_pages must be distinct");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, src, dst_overlap, 3, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, src, dst_overlap, 3, MSG));
   EXPECT_MESSAGE_HAS("overlap");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, src, out_of_range, 3, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, src, out_of_range, 3, MSG));
   EXPECT_MESSAGE_HAS("dst_pages[1] = 8");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, out_of_range, dst, 3, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, out_of_range, dst, 3, MSG));
   EXPECT_MESSAGE_HAS("src_pages[1]");
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, src, src, 1, MSG));
-  EXPECT_STATUS(PKV_PM_BAD_ARGUMENT, pkv_copy_pages_check(8, src, dst, -1, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, src, src, 1, MSG));
+  EXPECT_STATUS(PKV_ERR_ARGUMENT, pkv_copy_pages_check_values(8, src, dst, -1, MSG));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -500,7 +502,7 @@ extern long pkv_pm_fail_allocation_after; /* PKV_PM_ALLOC_FAILURE_INJECTION hook
 
 typedef enum { OP_ADD, OP_RESERVE, OP_COMMIT, OP_FORK, OP_RELEASE, OP_EXPORT, OP_COPY_CHECK } op_kind;
 
-static pkv_pm_status run_op(pkv_page_manager *manager, op_kind kind, int64_t seq_id, int64_t n, const int32_t *tokens) {
+static pkv_status run_op(pkv_page_manager *manager, op_kind kind, int64_t seq_id, int64_t n, const int32_t *tokens) {
   int32_t src[256], dst[256], table[16 * 8], lengths[8];
   int64_t out = 0;
   const int64_t ids[] = {seq_id};
@@ -511,9 +513,9 @@ static pkv_pm_status run_op(pkv_page_manager *manager, op_kind kind, int64_t seq
   case OP_FORK: return pkv_page_manager_fork(manager, seq_id, n, MSG);
   case OP_RELEASE: return pkv_page_manager_release(manager, seq_id, MSG);
   case OP_EXPORT: return pkv_page_manager_export(manager, ids, 1, table, 16, lengths, MSG);
-  case OP_COPY_CHECK: return pkv_copy_pages_check(8, tokens, tokens + 4, 4, MSG);
+  case OP_COPY_CHECK: return pkv_copy_pages_check_values(8, tokens, tokens + 4, 4, MSG);
   }
-  return PKV_PM_BAD_ARGUMENT;
+  return PKV_ERR_ARGUMENT;
 }
 
 /* Runs an operation with its 1st, 2nd, ... allocation failing until it succeeds; each failure
@@ -526,15 +528,15 @@ static int64_t run_op_with_failures(pkv_page_manager *manager, const int64_t *id
   for (long fail_at = 1;; ++fail_at) {
     snapshot_take(manager, ids, count, before);
     pkv_pm_fail_allocation_after = fail_at;
-    const pkv_pm_status status = run_op(manager, kind, seq_id, n, tokens);
+    const pkv_status status = run_op(manager, kind, seq_id, n, tokens);
     const bool injected = pkv_pm_fail_allocation_after == 0;
     pkv_pm_fail_allocation_after = 0;
-    if (status == PKV_PM_OK) {
+    if (status == PKV_OK) {
       CHECK(!injected, "op %d succeeded although allocation %ld failed", (int)kind, fail_at);
       break;
     }
-    CHECK(status == PKV_PM_OUT_OF_MEMORY && injected, "op %d: %s after failing allocation %ld", (int)kind,
-          pkv_pm_status_name(status), fail_at);
+    CHECK(status == PKV_ERR_OUT_OF_MEMORY && injected, "op %d: %s after failing allocation %ld", (int)kind,
+          pkv_status_name(status), fail_at);
     snapshot_expect_unchanged(manager, before);
     failures += 1;
   }
@@ -546,7 +548,7 @@ static int64_t run_op_with_failures(pkv_page_manager *manager, const int64_t *id
 static void test_allocation_failures_change_nothing(void) {
   pkv_page_manager *manager = NULL;
   pkv_pm_fail_allocation_after = 2;
-  EXPECT_STATUS(PKV_PM_OUT_OF_MEMORY, pkv_page_manager_create(8, 2, &manager, MSG));
+  EXPECT_STATUS(PKV_ERR_OUT_OF_MEMORY, pkv_page_manager_create(8, 2, &manager, MSG));
   CHECK(manager == NULL, "failed create returns NULL");
   pkv_pm_fail_allocation_after = 0;
 
@@ -581,9 +583,9 @@ static void test_allocation_failures_change_nothing(void) {
   }
   const int32_t copies[8] = {0, 1, 2, 3, 4, 5, 6, 7};
   failures += run_op_with_failures(manager, ids, count, OP_COPY_CHECK, 0, 0, copies);
-  EXPECT_STATUS(PKV_PM_OK, pkv_page_manager_check_invariants(manager, MSG));
+  EXPECT_STATUS(PKV_OK, pkv_page_manager_check_invariants(manager, MSG));
   pkv_pm_fail_allocation_after = 1;
-  EXPECT_STATUS(PKV_PM_OUT_OF_MEMORY, pkv_page_manager_check_invariants(manager, MSG));
+  EXPECT_STATUS(PKV_ERR_OUT_OF_MEMORY, pkv_page_manager_check_invariants(manager, MSG));
   pkv_pm_fail_allocation_after = 0;
   const pkv_page_manager_stats stats = stats_of(manager);
   CHECK(stats.prefix_pages == 5 && stats.shared_pages >= 5, "prefix pages %lld, shared %lld",
@@ -609,26 +611,26 @@ typedef struct worker {
 /* Reserve + commit one token at a time; retries a commit refused as busy. */
 static void *mutating_worker_run(void *argument) {
   worker *w = argument;
-  char message[256];
+  pkv_error error; /* per thread: the workers run concurrently */
   int32_t src[64], dst[64];
   const struct timespec start = now();
   /* Until some calls collided and some went through (or time is up, reported below). */
   while ((w->busy < 20 || w->committed < 20) && seconds_since(&start) < 5.0) {
     int64_t copies;
-    pkv_pm_status status =
-        pkv_page_manager_reserve(w->manager, w->seq_id, 1, src, dst, 64, &copies, message, sizeof message);
-    if (status == PKV_PM_BUSY) {
+    pkv_status status =
+        pkv_page_manager_reserve(w->manager, w->seq_id, 1, src, dst, 64, &copies, &error);
+    if (status == PKV_ERR_BUSY) {
       w->busy += 1;
       continue;
     }
-    if (status != PKV_PM_OK) {
+    if (status != PKV_OK) {
       w->other += 1;
       break;
     }
-    while ((status = pkv_page_manager_commit(w->manager, w->seq_id, 1, NULL, message, sizeof message)) == PKV_PM_BUSY) {
+    while ((status = pkv_page_manager_commit(w->manager, w->seq_id, 1, NULL, &error)) == PKV_ERR_BUSY) {
       w->busy += 1;
     }
-    if (status != PKV_PM_OK) {
+    if (status != PKV_OK) {
       w->other += 1;
       break;
     }
@@ -641,12 +643,12 @@ static void *mutating_worker_run(void *argument) {
 /* Long read-only calls (check_invariants over a large pool) keep the flag taken most of the time. */
 static void *checking_worker_run(void *argument) {
   worker *w = argument;
-  char message[256];
+  pkv_error error; /* per thread: the workers run concurrently */
   while (!atomic_load(w->stop)) {
-    const pkv_pm_status status = pkv_page_manager_check_invariants(w->manager, message, sizeof message);
-    if (status == PKV_PM_BUSY)
+    const pkv_status status = pkv_page_manager_check_invariants(w->manager, &error);
+    if (status == PKV_ERR_BUSY)
       w->busy += 1;
-    else if (status != PKV_PM_OK)
+    else if (status != PKV_OK)
       w->other += 1;
     nanosleep(&(struct timespec){0, 200000}, NULL); /* leave gaps for the other thread */
   }
@@ -759,7 +761,7 @@ static bool world_reserve(world *w, tracked *t, int64_t n, snapshot *scratch) {
   if (needed > before.free_pages) {
     world_snapshot(w, scratch);
     int64_t copies = -1;
-    EXPECT_STATUS(PKV_PM_OUT_OF_PAGES, pkv_page_manager_reserve(w->manager, t->id, n, src, dst, 256, &copies, MSG));
+    EXPECT_STATUS(PKV_ERR_OUT_OF_PAGES, pkv_page_manager_reserve(w->manager, t->id, n, src, dst, 256, &copies, MSG));
     snapshot_expect_unchanged(w->manager, scratch);
     w->out_of_pages += 1;
     return false;
@@ -884,10 +886,10 @@ static void random_run(uint64_t seed, int64_t num_pages, int64_t page_size, int 
       world_snapshot(w, scratch);
       int32_t pages[256];
       const int64_t capacity = pages_of(w->manager, t->id, pages) * page_size;
-      EXPECT_STATUS(PKV_PM_BAD_ARGUMENT,
+      EXPECT_STATUS(PKV_ERR_ARGUMENT,
                     pkv_page_manager_commit(w->manager, t->id, capacity - t->length + 1, NULL, MSG));
-      EXPECT_STATUS(PKV_PM_SEQUENCE_EXISTS, pkv_page_manager_fork(w->manager, t->id, t->id, MSG));
-      EXPECT_STATUS(PKV_PM_NO_SUCH_SEQUENCE, pkv_page_manager_release(w->manager, w->next_id + 5, MSG));
+      EXPECT_STATUS(PKV_ERR_SEQUENCE_EXISTS, pkv_page_manager_fork(w->manager, t->id, t->id, MSG));
+      EXPECT_STATUS(PKV_ERR_NO_SUCH_SEQUENCE, pkv_page_manager_release(w->manager, w->next_id + 5, MSG));
       snapshot_expect_unchanged(w->manager, scratch);
     }
     world_verify(w);
