@@ -17,7 +17,8 @@ MODES = ("auto", "cpu", "cuda")
 # setup.py commands that compile the extension or write metadata pinned to a torch version: these
 # need the torch the extension will run with (egg_info and sdist do not, so an sdist builds without).
 TORCH_COMMANDS = frozenset(
-    {"build", "build_ext", "build_clib", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel", "dist_info"}
+    {"build", "build_ext", "build_clib", "bdist_wheel", "bdist_egg", "install", "develop", "editable_wheel"}
+    | {"dist_info"}
 )
 # the same fix for every way pip or build hides the environment's torch
 NO_ISOLATION_HINT = (
@@ -98,9 +99,12 @@ def check_build_torch(
                 "and pagedkv's extension must be built against it: pip's build isolation hides it. "
                 f"To install, {NO_ISOLATION_HINT}."
             )
+        # (python -m build's isolated venv is the only environment this build can see: say both fixes)
         raise BuildConfigError(
-            "pagedkv: building the extension needs torch, and none is installed. Install the torch you will run "
-            "with first (e.g. `pip install torch`), then `pip install --no-build-isolation .`"
+            "pagedkv: building the extension needs the torch it will run with, and this build environment has "
+            "none. If torch is installed where pagedkv goes, the build is isolated from it: run "
+            "`pip install --no-build-isolation .` (or `python -m build --wheel --no-isolation`); otherwise install "
+            "torch first (e.g. `pip install torch`), then run that."
         )
     if env_torch is not None and env_torch[0] != torch_version and not _under(torch_path, own_roots):
         raise BuildConfigError(

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,11 +84,16 @@ else:
         print(f"pagedkv: building the CPU extension only: {CHOICE.reason}", file=sys.stderr)
 WITH_CUDA = CHOICE.with_cuda
 if WITH_CUDA:
-    # torch's extension builder reads CUDA_HOME when torch.utils.cpp_extension is imported: make it
-    # use the toolkit found above (its own search takes the nvcc on PATH first)
+    print(f"pagedkv: building the CUDA kernels: {CHOICE.reason}", file=sys.stderr)
     os.environ["CUDA_HOME"] = CHOICE.toolkit.home
 if torch is not None:
+    import torch.utils.cpp_extension as torch_extension
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    if WITH_CUDA:
+        # torch's builder takes its toolkit from this global, set by its own search at import (the nvcc
+        # on PATH first): use the complete toolkit found above instead
+        torch_extension.CUDA_HOME = CHOICE.toolkit.home
 else:
     BuildExtension = None
 
@@ -207,10 +213,22 @@ class BuildWithCore(BuildExtension if BuildExtension is not None else object):
                 f.write(text)
 
 
+class BuildPyWithoutRecord(build_py):
+    """Leaves the build record out of the copied sources: only build_ext writes it, for the extension it
+    built (a copy from the source tree would describe an in-place build, perhaps against another torch)."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if m[1] != os.path.splitext(BUILD_CONFIG_NAME)[0]]
+
+
+commands = {"build_py": BuildPyWithoutRecord}
+if BuildExtension is not None:  # (without torch: sdist and egg_info, which build nothing)
+    commands["build_ext"] = BuildWithCore
 setup(
     libraries=[core_lib] + isa_libs,
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildWithCore} if BuildExtension is not None else {},
+    cmdclass=commands,
     # the wheel runs only with the torch its extension was built against (same C++ ABI)
     install_requires=[build_mode.torch_requirement(getattr(torch, "__version__", None)), "numpy"],
 )

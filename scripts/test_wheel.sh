@@ -29,7 +29,8 @@ requires=$("$PY" - "$wheel" <<'EOF'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as wheel:
     name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-    print(" ".join(l.split(":", 1)[1].strip() for l in wheel.read(name).decode().splitlines() if l.startswith("Requires-Dist: torch")))
+    lines = wheel.read(name).decode().splitlines()
+    print(" ".join(l.split(":", 1)[1].strip() for l in lines if l.startswith("Requires-Dist: torch")))
 EOF
 )
 if [ "$requires" != "torch==${torch_minor}.*" ]; then
