@@ -16,8 +16,8 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/pagedkv-wheel.XXXXXX")
 start=$(date +%s)
 step() { printf '[wheel %ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
-torch_version=$("$PY" -c "import torch; print(torch.__version__)")
-torch_minor=$("$PY" -c "import torch; print('.'.join(torch.__version__.split('+')[0].split('.')[:2]))")
+read -r torch_version torch_minor < <("$PY" -c "import torch; v = torch.__version__
+print(v, '.'.join(v.split('+')[0].split('.')[:2]))")
 
 step "building the CPU wheel against torch $torch_version: pip wheel --no-build-isolation --no-deps ."
 PAGEDKV_BUILD=cpu MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/dist" . \
@@ -49,11 +49,11 @@ step "fresh venv: torch==$torch_version, the wheel${TRANSFORMERS:+, $TRANSFORMER
 mkdir "$WORK/run"
 cp scripts/wheel_smoke.py "$WORK/run/"
 for tool in gcc cc c++ g++ nvcc; do
-  if env PATH="$WORK/venv/bin" bash -c "command -v $tool" >/dev/null; then
+  if (PATH="$WORK/venv/bin" && hash -r && command -v "$tool" >/dev/null); then
     echo "FAILED: $tool is on the smoke test's PATH"
     exit 1
   fi
 done
 step "smoke test in $WORK/run (PATH=$WORK/venv/bin, no compiler)"
-(cd "$WORK/run" && env -u PYTHONPATH PATH="$WORK/venv/bin" python wheel_smoke.py)
+(cd "$WORK/run" && env -u PYTHONPATH PATH="$WORK/venv/bin" python -u wheel_smoke.py)
 step "wheel stage passed"
