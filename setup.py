@@ -197,6 +197,12 @@ class BuildWithCore(BuildExtension if BuildExtension is not None else object):
 
     def run(self):
         self.run_command("build_clib")
+        if self.editable_mode:
+            # editable installs compile in a new temporary folder each time: keeping the extension's
+            # objects where other builds keep them lets a re-install, and a wheel built after it (the
+            # wheel stage of scripts/test.sh), recompile only what changed
+            platform_tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", f"temp.{platform_tag}")
         record_dir = os.path.join(self.build_lib, "pagedkv")
         text = build_config_text()
         # an extension is only "up to date" if it was built against this torch and mode: the
