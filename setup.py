@@ -1,25 +1,36 @@
 """Build pagedkv._C: the C core (as C11, a static library), the torch shims,
-and with PAGEDKV_BUILD=cuda (or auto on a CUDA torch with nvcc) the CUDA kernels.
+and with PAGEDKV_BUILD=cuda (or auto on a CUDA torch with a complete CUDA toolkit) the CUDA kernels.
 
-Install without build isolation so the extension is built against the torch
-it will run with:  pip install --no-build-isolation -e .
+The extension is built against the torch of the environment it installs into, so install without
+build isolation:  pip install --no-build-isolation .   (a build that cannot see that torch stops
+at once with this advice; build_mode.py holds the decisions).
 """
 
 import glob
+import importlib.util
 import os
 import platform
 import shutil
+import site
 import sys
+import sysconfig
 
-from setuptools import setup
-
-import torch
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_build_mode():
+    spec = importlib.util.spec_from_file_location("pagedkv_build_mode", os.path.join(ROOT, "build_mode.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+build_mode = load_build_mode()
 BUILD_MODE = os.environ.get("PAGEDKV_BUILD", "auto").lower()
-if BUILD_MODE not in ("auto", "cpu", "cuda"):
-    raise SystemExit(f"PAGEDKV_BUILD must be auto, cpu or cuda, got {BUILD_MODE!r}")
 # PAGEDKV_SANITIZE=1 builds everything with ASan+UBSan for local bug hunting (run python with
 # LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0; see RELIABILITY.md).
 SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "0") == "1"
@@ -29,23 +40,65 @@ def rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
-def want_cuda():
-    has_nvcc = shutil.which("nvcc") is not None or os.path.exists(
-        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    )
-    if BUILD_MODE == "cpu":
-        return False
-    if BUILD_MODE == "cuda":
-        if torch.version.cuda is None:
-            raise SystemExit("PAGEDKV_BUILD=cuda needs a CUDA build of torch (torch.version.cuda is None)")
-        if not has_nvcc:
-            raise SystemExit("PAGEDKV_BUILD=cuda needs nvcc (set CUDA_HOME)")
-        return True
-    # auto: never key on torch.cuda.is_available(); build machines have no GPU
-    return torch.version.cuda is not None and has_nvcc
+def environment_site_dirs():
+    """The installing environment's site-packages, first match wins (pip's isolation hides them from sys.path)."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]] + site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return list(dict.fromkeys(dirs))
 
 
-WITH_CUDA = want_cuda()
+def import_build_torch():
+    """The torch to build against, or None for commands that need none (egg_info, sdist). Stops with one
+    message when the build could only use a torch other than the environment's."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if not build_mode.needs_torch(sys.argv[1:]):
+        return torch
+    own = [sys.prefix, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    if site.ENABLE_USER_SITE:
+        own.append(site.getusersitepackages())
+    try:
+        build_mode.check_build_torch(
+            getattr(torch, "__version__", None),
+            getattr(torch, "__file__", None),
+            environment_site_dirs(),
+            [p for p in own if p],
+        )
+    except build_mode.BuildConfigError as error:
+        raise SystemExit(str(error))
+    return torch
+
+
+torch = import_build_torch()
+if torch is None or not build_mode.needs_torch(sys.argv[1:]):
+    CHOICE = build_mode.BuildChoice(False, None, "this command builds no extension")
+else:
+    try:
+        CHOICE = build_mode.choose_build(BUILD_MODE, torch.__version__, torch.version.cuda, os.environ, shutil.which)
+    except build_mode.BuildConfigError as error:
+        raise SystemExit(str(error))
+    if BUILD_MODE == "auto" and not CHOICE.with_cuda:
+        print(f"pagedkv: building the CPU extension only: {CHOICE.reason}", file=sys.stderr)
+WITH_CUDA = CHOICE.with_cuda
+if WITH_CUDA:
+    print(f"pagedkv: building the CUDA kernels: {CHOICE.reason}", file=sys.stderr)
+    os.environ["CUDA_HOME"] = CHOICE.toolkit.home
+if torch is not None:
+    import torch.utils.cpp_extension as torch_extension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    if WITH_CUDA:
+        # torch's builder takes its toolkit from this global, set by its own search at import (the nvcc
+        # on PATH first): use the complete toolkit found above instead
+        torch_extension.CUDA_HOME = CHOICE.toolkit.home
+else:
+    BuildExtension = None
+
+    def CppExtension(name, sources, **_):  # sdist and egg_info only list the sources
+        return Extension(name, sources=sources)
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if SANITIZE else []
 OPT = ["-O1", "-g"] if SANITIZE else ["-O3"]
 
@@ -126,16 +179,68 @@ else:
     )
 
 
-class BuildWithCore(BuildExtension):
-    """Build the C core library first (editable installs skip build_clib)."""
+# what the build record lists as compiled: one cubin per target, plus the PTX added above
+COMPILED_ARCHS = [f"sm_{a}" for a in CUDA_ARCHS] + (["compute_80"] if "80" in CUDA_ARCHS else [])
+BUILD_CONFIG_NAME = "_build_config.py"
+
+
+def build_config_text():
+    return build_mode.build_config_source(torch.__version__, torch.version.cuda, CHOICE, COMPILED_ARCHS, BUILD_MODE)
+
+
+def read_text(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+class BuildWithCore(BuildExtension if BuildExtension is not None else object):
+    """Build the C core library first (editable installs skip build_clib), then the extension, then
+    write the build record (_build_config.py) next to it: what pagedkv.build_info() reports and what
+    the import-time check compares with the running torch."""
 
     def run(self):
         self.run_command("build_clib")
+        if self.editable_mode:
+            # editable installs compile in a new temporary folder each time: keeping the extension's
+            # objects where other builds keep them lets a re-install, and a wheel built after it (the
+            # wheel stage of scripts/test.sh), recompile only what changed
+            platform_tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", f"temp.{platform_tag}")
+        record_dir = os.path.join(self.build_lib, "pagedkv")
+        text = build_config_text()
+        # an extension is only "up to date" if it was built against this torch and mode: the
+        # sources' timestamps alone would keep an extension built against another torch
+        if read_text(os.path.join(record_dir, BUILD_CONFIG_NAME)) != text:
+            self.force = True
         super().run()
+        dirs = [record_dir]
+        if self.inplace:  # --inplace and editable installs load the copy in the source tree
+            dirs.append(os.path.join(ROOT, "python", "pagedkv"))
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, BUILD_CONFIG_NAME), "w") as f:
+                f.write(text)
 
 
+class BuildPyWithoutRecord(build_py):
+    """Leaves the build record out of the copied sources: only build_ext writes it, for the extension it
+    built (a copy from the source tree would describe an in-place build, perhaps against another torch)."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if m[1] != os.path.splitext(BUILD_CONFIG_NAME)[0]]
+
+
+commands = {"build_py": BuildPyWithoutRecord}
+if BuildExtension is not None:  # (without torch: sdist and egg_info, which build nothing)
+    commands["build_ext"] = BuildWithCore
 setup(
     libraries=[core_lib] + isa_libs,
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildWithCore},
+    cmdclass=commands,
+    # the wheel runs only with the torch its extension was built against (same C++ ABI)
+    install_requires=[build_mode.torch_requirement(getattr(torch, "__version__", None)), "numpy"],
 )

@@ -37,4 +37,5 @@ torch_version=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 
 step "building pagedkv (PAGEDKV_BUILD=${PAGEDKV_BUILD:-auto})"
 MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --no-build-isolation -e .
-"$PY" -c "import pagedkv, torch; print('pagedkv', pagedkv.__version__, 'ops:', sorted(n for n in dir(torch.ops.pagedkv) if not n.startswith('_')))"
+# the environment report and a self-test of each op (the same as users paste into a bug report)
+"$PY" -m pagedkv

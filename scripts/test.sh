@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install on a bare machine and run every test: the Python suite (CPU; CUDA
 # cases skip without a GPU), the C core tests under ASan+UBSan, the C fuzzer
-# smoke run, and the CUDA compile/link/registration check.
+# smoke run, the wheel stage (scripts/test_wheel.sh) and the CUDA compile/link/registration check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -34,6 +34,9 @@ for isa in scalar avx2 avx512; do
   printf '\n==> op fuzz suite on the %s CPU kernels\n' "$isa"
   PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py -k "not walks"
 done
+
+printf '\n==> wheel: CPU wheel built, installed with its torch into a fresh venv without a compiler, smoke test\n'
+bash scripts/test_wheel.sh
 
 if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ]; then
   printf '\n==> CUDA build check (every .cu for sm_80, sm_90a, sm_100a; gather4 in the sm_100a binary)\n'
