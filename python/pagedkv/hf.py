@@ -270,15 +270,18 @@ def attention_forward(
 
 
 # Keywords that transformers' attention calls pass (audited on 4.57.6 and 5.24.0: the model files'
-# attention_interface(...) calls and what their **kwargs carry from generate, chunked prefill and
-# continuous batching) and that leave the attention output as pagedkv computes it: bookkeeping of
-# the cache or of the scheduler (the K/V handed over are already the ones to attend), lengths that
-# cu_seq_lens_q/k already give, and flash-attention options without a numerical effect.
-# position_ids are read in the contiguous path (packed sequences, see _refuse_packed_position_ids).
+# attention_interface(...) calls, what their **kwargs carry from generate, chunked prefill and
+# continuous batching, and the keys of TransformersKwargs / FlashAttentionKwargs that a model's
+# forward hands down to every layer) and that leave the attention output as pagedkv computes it:
+# output switches of the model (hidden states, router logits), loss bookkeeping, bookkeeping of the
+# cache or of the scheduler (the K/V handed over are already the ones to attend), lengths that
+# cu_seq_lens_q/k already give, the sequence index of Mamba layers, and flash-attention options
+# without a numerical effect. position_ids are read in the contiguous path (packed sequences, see
+# _refuse_packed_position_ids).
 _KEYWORDS_WITHOUT_EFFECT = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache",
-    "cache_position", "output_router_logits", "logits_indices", "logits_processor_args", "read_index",
-    "write_index", "deterministic",
+    "cache_position", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "seq_idx", "logits_indices", "logits_processor_args", "read_index", "write_index", "deterministic",
 })
 # Keywords that change the result, with the model feature they carry; pagedkv does not implement
 # them, so a call that gives one (not None / False) is refused instead of silently dropping it.
