@@ -511,6 +511,147 @@ def test_errors_name_the_problem(saved_models):
         phf.attention_forward(model.model.layers[0].self_attn, query, key, key, None, dropout=0.1)
 
 
+# ---- keywords pagedkv does not implement are refused, never dropped ------------------------------------
+
+# A value for each result-changing keyword transformers' attention calls may pass (see
+# pagedkv.hf._UNSUPPORTED_KEYWORDS); query [2, 4, 3, 16], key [2, 2, 3, 16].
+UNSUPPORTED_KEYWORD_VALUES = {
+    "s_aux": torch.zeros(4),
+    "sinks": torch.zeros(4),
+    "head_mask": torch.ones(4),
+    "position_bias": torch.zeros(2, 4, 3, 3),
+    "indices": torch.zeros(2, 1, 3, dtype=torch.int32),
+    "block_indices": torch.zeros(2, 1, 1, dtype=torch.int32),
+    "block_table": torch.zeros(2, 1, dtype=torch.int32),
+    "output_attentions": True,
+}
+
+
+def attention_inputs(saved_models, batch=2, length=3):
+    gen = torch.Generator().manual_seed(6)
+    module = load(saved_models["llama"], "pagedkv").model.layers[0].self_attn
+    query = torch.randn(batch, 4, length, 16, generator=gen)
+    key, value = (torch.randn(batch, 2, length, 16, generator=gen) for _ in range(2))
+    return module, query, key, value
+
+
+def test_every_unsupported_keyword_has_a_case():
+    assert set(UNSUPPORTED_KEYWORD_VALUES) == set(phf._UNSUPPORTED_KEYWORDS)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_KEYWORD_VALUES))
+def test_result_changing_keyword_is_refused_by_name(saved_models, name):
+    module, query, key, value = attention_inputs(saved_models)
+    feature = phf._UNSUPPORTED_KEYWORDS[name].split(" (")[0]
+    with pytest.raises(NotImplementedError, match=rf"does not implement {name}, .*{feature}"):
+        phf.attention_forward(module, query, key, value, None, scaling=0.25, **{name: UNSUPPORTED_KEYWORD_VALUES[name]})
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_KEYWORD_VALUES))
+def test_unsupported_keyword_left_unset_changes_nothing(saved_models, name):
+    """None (or output_attentions=False) is what models pass when the feature is off."""
+    module, query, key, value = attention_inputs(saved_models)
+    expected, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25)
+    off = False if name == "output_attentions" else None
+    got, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25, **{name: off})
+    assert torch.equal(got, expected)
+
+
+def test_unknown_keyword_is_refused_by_name(saved_models):
+    module, query, key, value = attention_inputs(saved_models)
+    with pytest.raises(NotImplementedError, match="keyword attention_bias=Tensor, which it does not implement"):
+        phf.attention_forward(module, query, key, value, None, attention_bias=torch.zeros(2, 4, 3, 3))
+
+
+def test_packed_position_ids_without_mask_are_refused(saved_models):
+    """flash attention (whose mask function "pagedkv" uses) reads restarting position_ids as packed
+    sequences; pagedkv refuses them instead of attending across the sequences. Consecutive
+    position_ids (a chunk at any offset) are one sequence and give the plain result."""
+    module, query, key, value = attention_inputs(saved_models, batch=1, length=5)
+    expected, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25)
+    with pytest.raises(NotImplementedError, match="position_ids restart within the row"):
+        phf.attention_forward(module, query, key, value, None, scaling=0.25,
+                              position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+    got, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25,
+                                   position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
+    assert torch.equal(got, expected)
+
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def test_gpt_oss_attention_sinks_are_refused():
+    """A gpt-oss model passes its per-head sinks as s_aux: pagedkv names the argument and the feature
+    instead of attending without them (which gives logits far from transformers' eager attention)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.inference_mode():
+        assert torch.isfinite(model(input_ids=ids).logits).all()  # the model itself runs (eager)
+        model.set_attn_implementation(phf.IMPLEMENTATION)
+        with pytest.raises(NotImplementedError, match="does not implement s_aux, .*attention sinks"):
+            model(input_ids=ids)
+        with pytest.raises(NotImplementedError, match="s_aux"):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False,
+                           **{phf._cache_argument(model): phf.PagedCache(model)})
+
+
+def test_model_output_switches_pass_through(saved_models):
+    """output_hidden_states and friends reach the attention call as keywords; they change nothing."""
+    ids, mask = left_padded([6, 4], seed=1)
+    model = load(saved_models["llama"], "pagedkv")
+    with torch.inference_mode():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, return_dict=True)
+    assert torch.equal(out.logits, expected)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
+# ---- PagedCache arguments are checked when it is made -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"kv_dtype": torch.int8}, ValueError, r"kv_dtype must be one of .*float8_e4m3fn.*got torch.int8"),
+    ({"kv_dtype": "fp8"}, TypeError, "kv_dtype must be a torch.dtype"),
+    ({"page_size": 0}, ValueError, "page_size must be >= 1"),
+    ({"page_size": 2.0}, TypeError, "page_size must be an int"),
+    ({"page_size": True}, TypeError, "page_size must be an int"),
+    ({"num_pages": 0}, ValueError, "num_pages must be >= 1"),
+    ({"num_pages": "8"}, TypeError, "num_pages must be an int"),
+    ({"quant_group": 0}, ValueError, "quant_group must be >= 1"),
+    ({"collection": "pages"}, TypeError, "collection must be a pagedkv PagedKVCacheCollection"),
+])
+def test_paged_cache_rejects_bad_arguments_at_construction(saved_models, kwargs, error, match):
+    model = load(saved_models["llama"], "pagedkv")
+    with pytest.raises(error, match=match):
+        phf.PagedCache(model, **kwargs)
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 2), ("num_kv_heads", 1), ("head_dim", 8), ("page_size", 8),
+                                         ("dtype", torch.bfloat16), ("quant_group", 64)])
+def test_paged_cache_rejects_a_collection_of_another_shape(saved_models, field, value):
+    model = load(saved_models["llama"], "pagedkv")  # 3 layers, 2 KV heads, head size 16
+    geometry = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "page_size": 16, "dtype": torch.float32,
+                "quant_group": 128}
+    geometry[field] = value
+    collection = phf.PagedKVCacheCollection(4, geometry["num_layers"], geometry["page_size"], geometry["num_kv_heads"],
+                                            geometry["head_dim"], dtype=geometry["dtype"],
+                                            quant_group=geometry["quant_group"])
+    with pytest.raises(ValueError, match=f"collection.{field} is"):
+        phf.PagedCache(model, kv_dtype=torch.float32, collection=collection)
+
+
+def test_paged_cache_rejects_query_heads_not_a_multiple_of_kv_heads():
+    config = transformers.LlamaConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=1)
+    config.num_key_value_heads = 4  # set after construction: newer configs validate it themselves
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be a multiple of num_key_value_heads \(4\)"):
+        phf.PagedCache(config)
+
+
 def test_contiguous_path_reads_strided_kv_in_place(saved_models):
     """K/V that transformers keeps as slices of a larger buffer (not contiguous) are read in place."""
     gen = torch.Generator().manual_seed(4)
