@@ -35,6 +35,13 @@ for isa in scalar avx2 avx512; do
   PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py -k "not walks"
 done
 
+# FP8 pages inside transformers models (random Llama/Mistral and SmolLM2-135M), every layer against
+# pagedkv.reference on the same FP8 K/V, 1 and 2 threads: on every kernel path as well.
+for isa in scalar avx2 avx512; do
+  printf '\n==> FP8 attention per layer in transformers models on the %s CPU kernels\n' "$isa"
+  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_hf.py -k "fp8_attention_every_layer"
+done
+
 if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ]; then
   printf '\n==> CUDA build check (every .cu for sm_80, sm_90a, sm_100a; gather4 in the sm_100a binary)\n'
   # nvcc mode: every .cu for sm_80/sm_90a/sm_100a plus the gather4 check. The full
