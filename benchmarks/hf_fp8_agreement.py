@@ -116,7 +116,7 @@ def measure(thread_counts) -> list[dict]:
         torch.set_num_threads(threads)
         exact, _ = forward(model, "sdpa", ids, mask)
         result = {"transformers": transformers.__version__, "isa": common.cpu_isa(),
-                  "isa_requested": os.environ.get("PAGEDKV_CPU_ISA", "default"), "threads": threads,
+                  "isa_requested": os.environ.get("PAGEDKV_CPU_ISA") or "default", "threads": threads,
                   "scored_tokens": int(targets.numel())}
         for label, kv_dtype in KV_DTYPES.items():
             register_simulation(kv_dtype)
@@ -170,13 +170,13 @@ def spread(older: str | None) -> tuple[list[dict], list[str]]:
 def summary_line(run: dict) -> str:
     figures = ", ".join(f"{label} top-1 {run[label]['top1_vs_full_precision']:.4f} (vs simulated "
                         f"{run[label]['top1_vs_simulated']:.4f})" for label in KV_DTYPES)
-    return (f"transformers {run['transformers']}, ISA {run['isa_requested']} -> {run['isa']}, "
+    return (f"transformers {run['transformers']}, ISA {run['isa_requested'] or 'default'} -> {run['isa']}, "
             f"{run['threads']} threads: {figures}")
 
 
 def write(runs: list[dict], notes: list[str]) -> None:
     env = common.environment()
-    rows = [f"| {r['transformers']} | {r['isa_requested']} | {r['isa']} | {r['threads']} | {label} | "
+    rows = [f"| {r['transformers']} | {r['isa_requested'] or 'default'} | {r['isa']} | {r['threads']} | {label} | "
             + " | ".join(f"{r[label][f]:.4g}" for f in FIGURES) + " |" for r in runs for label in KV_DTYPES]
     ranges = []
     for label in KV_DTYPES:
@@ -205,9 +205,15 @@ def main() -> None:
     parser.add_argument("--older-transformers", help="a --target folder holding the older transformers line")
     parser.add_argument("--threads", default="", help="comma-separated torch thread counts (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line (for --spread)")
+    parser.add_argument("--write-from", nargs="+", metavar="FILE",
+                        help="write the results files from the --json output of runs made separately (e.g. in parallel)")
     args = parser.parse_args()
     if args.spread:
         write(*spread(args.older_transformers))
+        return
+    if args.write_from:
+        runs = [run for name in args.write_from for run in json.loads(open(name).read().strip().splitlines()[-1])]
+        write(runs, [])
         return
     thread_counts = [int(t) for t in args.threads.split(",") if t] or [torch.get_num_threads()]
     runs = measure(thread_counts)
