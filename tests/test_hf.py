@@ -575,6 +575,10 @@ def test_packed_position_ids_without_mask_are_refused(saved_models):
     got, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25,
                                    position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
     assert torch.equal(got, expected)
+    model = load(saved_models["llama"], "pagedkv")  # through a PagedCache as well
+    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    with torch.inference_mode(), pytest.raises(NotImplementedError, match="position_ids restart within the row"):
+        model(**packed, **paged_cache_argument(model))
 
 
 def gpt_oss_config():

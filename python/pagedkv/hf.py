@@ -261,6 +261,8 @@ def attention_forward(
     if step is not None and step[0] is key:
         _pending.step = None
         layer = step[1]
+        if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
+            _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
         return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None
