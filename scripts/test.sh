@@ -35,6 +35,13 @@ for isa in scalar avx2 avx512; do
   PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py -k "not walks"
 done
 
+# FP8 pages inside transformers models (random Llama/Mistral and SmolLM2-135M), every layer against
+# pagedkv.reference on the same FP8 K/V, 1 and 2 threads: on every kernel path as well.
+for isa in scalar avx2 avx512; do
+  printf '\n==> FP8 attention per layer in transformers models on the %s CPU kernels\n' "$isa"
+  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_hf.py -k "fp8_attention_every_layer"
+done
+
 printf '\n==> wheel: CPU wheel built, installed with its torch into a fresh venv without a compiler, smoke test\n'
 bash scripts/test_wheel.sh
 

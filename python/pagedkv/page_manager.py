@@ -106,6 +106,12 @@ def _token_list(name: str, tokens: TokenIds) -> list[int]:
     return values
 
 
+def _token_dim(cache: torch.Tensor) -> int:
+    """Where a cache tensor keeps the tokens of a page: dim 3 of a collection (blocks or scales
+    ``[N, 2|1, L, P, Hk, D]``, also the continuous-batching layout), dim 1 of a pool ``[N, P, ...]``."""
+    return 3 if cache.dim() == 6 else 1
+
+
 def _key_error(error: KeyError) -> KeyError:
     # pybind's KeyError carries the core's message ("seq_id: sequence 5 is not in ...").
     return KeyError(error.args[0] if error.args else "unknown sequence")
@@ -115,8 +121,9 @@ class PageManager:
     """Pages of a paged KV cache pool, shared between sequences by reference counting.
 
     caches: tensors whose dim 0 is the page dim (size num_pages), e.g. a collection's blocks
-    ``[N, 2, L, P, Hk, D]`` and its scales, or separate K and V pools ``[N, P, Hk, D]``; views are
-    fine. Copy-on-write copies are applied to each of them.
+    ``[N, 2, L, P, Hk, D]`` and its scales (6-D: tokens at dim 3), or separate K and V pools
+    ``[N, P, Hk, D]`` (any other rank: tokens at dim 1); views are fine. Their page size must be
+    ``page_size``. Copy-on-write copies are applied to each of them.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, caches: Sequence[torch.Tensor] = ()):
@@ -128,10 +135,16 @@ class PageManager:
         for i, cache in enumerate(caches):
             if not isinstance(cache, torch.Tensor):
                 raise ValueError(f"caches[{i}] must be a torch.Tensor, got {type(cache).__name__}")  # noqa: TRY004
-            if cache.dim() < 1 or cache.size(0) != num_pages:
+            if cache.dim() < 2 or cache.size(0) != num_pages:
                 raise ValueError(
-                    f"caches[{i}] must have the page dim first with num_pages={num_pages} entries, "
-                    f"got shape {tuple(cache.shape)}"
+                    f"caches[{i}] must have the page dim first with num_pages={num_pages} entries and a token "
+                    f"dim, got shape {tuple(cache.shape)}"
+                )
+            token_dim = _token_dim(cache)
+            if cache.size(token_dim) != page_size:
+                raise ValueError(
+                    f"caches[{i}] holds pages of {cache.size(token_dim)} tokens (dim {token_dim} of shape "
+                    f"{tuple(cache.shape)}), but page_size={page_size}: the manager's pages must be the caches' pages"
                 )
         self._native = _C.PageManager(num_pages, page_size)
         self._num_pages = num_pages
