@@ -23,7 +23,6 @@ from conftest import (
     CUDA_ONLY,
     DEVICES,
     FLOAT_DTYPES,
-    FP8_DTYPES,
     LAYOUTS,
     assert_attention_close,
     dtype_name,

@@ -284,8 +284,8 @@ def test_opcheck_paged_load(device, dtype):
     gen, kv, batch = small_setup(device, dtype)
     out = torch.zeros((int(batch.seq_lens.sum()), 2, 32), device=device)
     offsets = torch.tensor([0, 7, 7, 14], dtype=torch.int32, device=device)
-    opcheck(
-        torch.ops.pagedkv.paged_load.default,
+    supported_or_skip(
+        device, opcheck, torch.ops.pagedkv.paged_load.default,
         (kv.k_cache, kv.k_scales, batch.lookup_table, batch.seq_lens, offsets, out, 16),
         cache_dtype=dtype,
     )

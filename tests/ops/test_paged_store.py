@@ -377,8 +377,8 @@ def test_opcheck_paged_store(device, dtype):
     key = randn(gen, (batch.num_tokens, 2, 32), torch.float32, device)
     value = randn(gen, (batch.num_tokens, 2, 32), torch.float32, device)
     k, v, ks, vs = kv.views
-    opcheck(
-        torch.ops.pagedkv.paged_store.default,
+    supported_or_skip(
+        device, opcheck, torch.ops.pagedkv.paged_store.default,
         (key, value, k, v, batch.input_row_offsets, batch.cache_lengths, batch.lookup_table,
          ks, vs, 16),
         cache_dtype=dtype,
