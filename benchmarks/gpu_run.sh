@@ -62,10 +62,10 @@ if want test; then
 fi
 
 if want memcheck; then
-  log "compute-sanitizer memcheck on tests/test_cuda.py (graphs excluded: the sanitizer serialises launches)"
+  log "compute-sanitizer memcheck on the CUDA cases of tests/ops (graphs excluded: the sanitizer serialises launches)"
   if command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      $PY -m pytest tests/test_cuda.py -q -x -p no:cacheprovider -k "not graph and not long_decode" \
+      $PY -m pytest tests/ops -q -x -p no:cacheprovider -k "cuda and not graph and not long_decode" \
       >"$OUT/memcheck.txt" 2>&1
     log "memcheck exit code $? ($(grep -c 'Invalid' "$OUT/memcheck.txt") invalid accesses reported)"
     tail -5 "$OUT/memcheck.txt"

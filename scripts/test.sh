@@ -29,10 +29,11 @@ python3 -m pip install -q --no-deps --target "$older" "${TRANSFORMERS_OLDER[@]}"
 PYTHONPATH="$older${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/test_hf.py
 
 # The suite above runs the CPU kernels the machine picks (AMX or AVX-512 here); the seeded fuzz
-# suite is cheap, so it also runs on every other kernel path (the ISA is fixed per process).
+# chunks of tests/ops (and their regression tests, marked per_isa) are cheap, so they also run on
+# every other kernel path (the ISA is fixed per process).
 for isa in scalar avx2 avx512; do
   printf '\n==> op fuzz suite on the %s CPU kernels\n' "$isa"
-  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py -k "not walks"
+  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/ops -m per_isa
 done
 
 # FP8 pages inside transformers models (random Llama/Mistral and SmolLM2-135M), every layer against

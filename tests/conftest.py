@@ -1,4 +1,17 @@
-"""Shared test helpers: seeded data, the four cache layouts of CONTRACT.md, poison fills.
+"""Shared test helpers: devices, seeded data, the four cache layouts of CONTRACT.md, poison fills,
+batches and the attention tolerance.
+
+Where each kind of test lives (see also tests/README.md):
+- tests/ops/test_<op>.py: one file per op (paged_store, paged_load, flash_attn_paged with its .out
+  variant): the op's grid, its error cases, its opcheck and its seeded fuzz chunks, every test
+  parametrized over `DEVICES` (CPU always, CUDA when present) and compared with
+  `pagedkv.reference`, the way ggml's test-backend-ops compares every backend with the CPU. Tests
+  of CUDA-only behaviour (graph capture, PAGEDKV_CHECK=1, loaders, tile image) sit in the same
+  file, marked `CUDA_ONLY`. copy_pages is tested with the page manager (tests/test_page_manager.py).
+- tests/ops/grid_cases.py, error_cases.py, fuzz_cases.py: the case builders those files share.
+- tests/test_<concern>.py: what is not one op: the reference itself, the CPU ISA paths against
+  each other, pools over 2^31 elements, threads, torch.compile of a layer, the host allocator, the
+  cache objects, the page manager, the transformers integration, the demo, the benchmark harness.
 
 A `PagedKV` holds the storage tensors ("bases") of one layout and rebuilds the strided per-layer
 views from them, so a test can clone the whole storage, run the reference on the clone and the real
@@ -8,6 +21,7 @@ addressed slots changed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import zlib
@@ -16,6 +30,8 @@ from typing import Callable
 import pytest
 import torch
 
+import pagedkv
+from pagedkv import _C
 from pagedkv import reference as ref
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,14 +45,57 @@ NONCONTIG_PAD = 8
 VIEW_LAYER = 1
 NUM_LAYERS = 2
 
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"),
-    ),
-]
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "per_isa: cheap op tests scripts/test.sh reruns under every PAGEDKV_CPU_ISA (kernel path)"
+    )
+
+
+def _cuda_usable() -> bool:
+    return torch.cuda.is_available() and bool(getattr(_C, "with_cuda", False))
+
+
+HAS_CUDA = _cuda_usable()
+CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of pagedkv")
+# Every op test runs on each of these; the CUDA param skips where there is no GPU.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA_ONLY)]
+UNSUPPORTED_ON_CUDA = "not supported on CUDA"
+
+
+def supported_or_skip(device, op, *args, **kwargs):
+    """Call `op`; on CUDA, a configuration the CUDA kernels do not implement (float32 queries,
+    head sizes other than 64/96/128/256, ...: the shim raises "not supported on CUDA" after the
+    shared argument checks) skips the case, as ggml's test-backend-ops skips what a backend does
+    not support. On the CPU every configuration must run. (Any exception type: opcheck wraps the
+    op's RuntimeError in its own.)"""
+    try:
+        return op(*args, **kwargs)
+    except Exception as error:
+        if device == "cuda" and UNSUPPORTED_ON_CUDA in str(error):
+            pytest.skip(str(error))
+        raise
+
+
+@pytest.fixture
+def cuda_knobs():
+    """Puts back the process-wide CUDA settings a test may change (forced K/V loader, host checks)."""
+    yield
+    if HAS_CUDA:
+        _C.set_cuda_loader(-1)
+    pagedkv.set_checks(False)
+
+
+@contextlib.contextmanager
+def index_value_checks(device):
+    """CONTRACT.md: index values are checked on CPU always, on CUDA when checks are on; error tests
+    turn them on for CUDA so every device must reject the same calls."""
+    if device == "cuda":
+        pagedkv.set_checks(True)
+    try:
+        yield
+    finally:
+        pagedkv.set_checks(False)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -392,6 +451,22 @@ def fill_history(gen, kv: PagedKV, batch: Batch, key_dtype=torch.float32, v_head
         vs,
         kv.quant_group,
     )
+
+
+def strided_index_tensors(batch: Batch, device):
+    """The batch's lookup table as a column slice of a wider preallocated table (its spare columns
+    INT32_MAX), and its offsets and lengths as columns of wider metadata: none is contiguous.
+    Returns (lookup_table, input_row_offsets, cache_lengths)."""
+    rows, cols = batch.lookup_table.shape
+    wide = torch.full((rows, 2 * cols), 2**31 - 1, dtype=torch.int32, device=device)
+    wide[:, :cols] = batch.lookup_table
+    table = wide[:, :cols]
+    meta = torch.zeros((rows + 1, 3), dtype=torch.int32, device=device)
+    meta[:, 0] = batch.input_row_offsets
+    meta[:rows, 1] = batch.cache_lengths
+    offsets, lengths = meta[:, 0], meta[:rows, 1]
+    assert not (table.is_contiguous() or offsets.is_contiguous() or lengths.is_contiguous())
+    return table, offsets, lengths
 
 
 # --------------------------------------------------------------------------------------------

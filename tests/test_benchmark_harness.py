@@ -43,12 +43,39 @@ def test_warm_mode_leaves_caches_alone(monkeypatch):
     assert common.time_interleaved({"x": lambda: None}, reps=2, warmup=0)["x"]
 
 
-def test_cold_buffer_exceeds_the_last_level_cache():
-    llc = common.last_level_cache_bytes()
-    size = common.cold_buffer_bytes()
-    assert size >= 256 << 20
-    if llc:
-        assert size >= 2 * llc
+@pytest.fixture
+def fake_sysfs(monkeypatch, tmp_path):
+    """Lists cpu0's cache directories as sysfs would: one index<i> folder per (level, size text).
+    The size is read once per process (lru_cache): forgotten before and after the test."""
+
+    def make(caches):
+        dirs = []
+        for i, (level, size) in enumerate(caches):
+            d = tmp_path / f"index{i}"
+            d.mkdir()
+            (d / "level").write_text(f"{level}\n")
+            (d / "size").write_text(f"{size}\n")
+            dirs.append(str(d))
+        monkeypatch.setattr(common.glob, "glob", lambda pattern: dirs)
+        common.last_level_cache_bytes.cache_clear()
+
+    yield make
+    common.last_level_cache_bytes.cache_clear()
+
+
+@pytest.mark.parametrize("caches,llc", [
+    ([(1, "48K"), (1, "32K"), (2, "2048K"), (3, "320M")], 320 << 20),  # the highest level wins
+    ([(2, "1M"), (3, "64M")], 64 << 20),
+    ([(3, "1G")], 1 << 30),
+    ([(1, "32768")], 32768),  # no unit: bytes
+    ([], None),  # no sysfs: unknown
+])
+def test_cold_buffer_is_twice_the_last_level_cache_read_from_sysfs(fake_sysfs, caches, llc):
+    """--cold reads 2x the last-level cache between timed calls (at least 256 MiB), so the data
+    of the previous call cannot still be cached; the size comes from sysfs's cache folders."""
+    fake_sysfs(caches)
+    assert common.last_level_cache_bytes() == llc
+    assert common.cold_buffer_bytes() == max(2 * (llc or 0), 256 << 20)
 
 
 def test_setup_allocates_the_cold_buffer_only_with_cold(monkeypatch):

@@ -8,7 +8,8 @@ touched: the test runs in about a second and needs ~2.2 GB of address space, not
 What it proves: paged_store writes the last page at the right place (its bytes equal a store into
 a one-page pool), neighbours keep their sentinels, paged_load reads it back, and attention over a
 sequence living in the last page equals, bit for bit, attention over the same data in page 0 of a
-small pool (same kernel, same data: only the 64-bit offsets differ).
+small pool (same kernel, same data: only the 64-bit offsets differ). The last test does the
+same with separate K and V pools on every device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import pagedkv
+from conftest import DEVICES, assert_attention_close, assert_bytes_equal, generator, randn, seed_from
 from pagedkv import reference as ref
 
 P, HK, D = 16, 1, 128
@@ -38,7 +40,8 @@ def _available_bytes() -> int:
     return 1 << 62
 
 
-pytestmark = pytest.mark.skipif(
+# The shared pool below: its last page's K and V start past element 2^31 of one block.
+NEEDS_4_GIB = pytest.mark.skipif(
     _available_bytes() < 4 * 2**30 or os.environ.get("PAGEDKV_SKIP_LARGE") == "1",
     reason="needs ~4 GiB of available memory (set PAGEDKV_SKIP_LARGE=1 to skip)",
 )
@@ -61,6 +64,7 @@ def _index(cache_len, new, page):
     )
 
 
+@NEEDS_4_GIB
 def test_store_load_attention_on_the_last_page(pool):
     blocks, scales = pool
     last = NUM_PAGES - 1
@@ -107,6 +111,7 @@ def test_store_load_attention_on_the_last_page(pool):
     torch.testing.assert_close(big_out, want, rtol=1e-5, atol=1e-5)
 
 
+@NEEDS_4_GIB
 def test_rows_spanning_the_whole_pool(pool):
     """Two rows whose pages are the first and the last of the pool, in one call each op."""
     blocks, scales = pool
@@ -133,3 +138,51 @@ def test_rows_spanning_the_whole_pool(pool):
     expected = pagedkv.flash_attn_paged(q, offsets, small, small, lengths, torch.tensor([[0], [1]], dtype=torch.int32),
                                         k_scales=small_scales, v_scales=small_scales, quant_group=D)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_separate_pools_over_2_31_elements(device):
+    """Separate K and V pools [N, P, Hk, D] with pages past element 2^31, on every device: store,
+    attention and load there equal the same step on a 4-page pool (memory left untouched except
+    the pages used, so this costs little resident memory)."""
+    P, H, D = 16, 1, 128
+    N = 2**31 // (P * H * D) + 3
+    k_cache = torch.empty((N, P, H, D), dtype=torch.float8_e4m3fn, device=device)
+    v_cache = torch.empty((N, P, H, D), dtype=torch.float8_e4m3fn, device=device)
+    k_scales = torch.empty((N, P, H, 1), device=device)
+    v_scales = torch.empty((N, P, H, 1), device=device)
+    assert k_cache.numel() > 2**31
+    pages = [N - 1, N - 2, N - 3, 0]
+    table = torch.tensor([pages[:2], pages[2:]], dtype=torch.int32, device=device)
+    offsets = torch.tensor([0, 20, 25], dtype=torch.int32, device=device)
+    lengths = torch.zeros(2, dtype=torch.int32, device=device)
+    gen = generator(seed_from("big-pool"))
+    key = randn(gen, (25, H, D), torch.float32, device)
+    value = randn(gen, (25, H, D), torch.float32, device)
+    pagedkv.paged_store(key, value, k_cache, v_cache, offsets, lengths, table, k_scales, v_scales)
+    # The same step on a 4-page pool through the reference.
+    small = [torch.zeros((4, P, H, D), dtype=torch.float8_e4m3fn, device=device) for _ in "kv"]
+    small_scales = [torch.zeros((4, P, H, 1), device=device) for _ in "kv"]
+    small_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    ref.paged_store(key, value, *small, offsets, lengths, small_table, *small_scales)
+    index = torch.tensor(pages, device=device)
+    for big, little in [(k_cache, small[0]), (v_cache, small[1]), (k_scales, small_scales[0]),
+                        (v_scales, small_scales[1])]:
+        got = big[index]
+        for page, count in [(0, 16), (1, 4), (2, 5)]:
+            assert_bytes_equal(got[page, :count], little[page, :count], f"page {pages[page]}")
+    # The CUDA kernels attend with 16-bit queries only.
+    q_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = randn(gen, (25, 2, D), q_dtype, device)
+    out = pagedkv.flash_attn_paged(q, offsets, k_cache, v_cache, lengths, table,
+                                   k_scales=k_scales, v_scales=v_scales)
+    expected = ref.flash_attn_paged(q.double(), offsets, *small, lengths, small_table,
+                                    k_scales=small_scales[0], v_scales=small_scales[1])
+    assert_attention_close(out, expected, q_dtype, "pool over 2^31 elements")
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
+    assert_bytes_equal(
+        pagedkv.paged_load(k_cache, table, seq_lens, scales=k_scales),
+        pagedkv.paged_load(small[0], small_table, seq_lens, scales=small_scales[0]),
+        "load past 2^31",
+    )
+
