@@ -1,7 +1,7 @@
 """vLLM offline throughput with pagedkv attention against vLLM's own CPU attention backend.
 
 Runs in the vLLM venv that scripts/test_vllm.sh builds (.deps/vllm-venv; the model folder from
-tests/vllm/write_hf_model.py). Workload where attention matters: REQUESTS requests of PROMPT_TOKENS
+tests/vllm_integration/write_hf_model.py). Workload where attention matters: REQUESTS requests of PROMPT_TOKENS
 random prompt tokens each (seeded, the same for both backends), NEW_TOKENS greedy new tokens each
 (EOS ignored, so every request runs to the end), float32, block size 128 (vLLM's CPU default), no
 prefix caching (distinct prompts), torch.compile off (attention is an opaque op either way).

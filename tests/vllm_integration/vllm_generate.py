@@ -6,7 +6,7 @@ pagedkv). The workload exercises what the backend must get right: chunked prefil
 decodes (``max_num_batched_tokens`` far below the prompt lengths), and prefix caching (a second
 round of prompts that share a first-round prompt's leading pages).
 
-    python tests/vllm/vllm_generate.py --model DIR --dtype float32 --block-size 16 --out OUT.json
+    python tests/vllm_integration/vllm_generate.py --model DIR --dtype float32 --block-size 16 --out OUT.json
 """
 
 import argparse

@@ -2,10 +2,11 @@
 
 vLLM's CPU build does not run the GGUF's Q4_1 weights, so pagedkv.gguf_model dequantizes them to
 float32 in Hugging Face's LlamaForCausalLM layout (transformers refuses to save a model it loaded
-from GGUF), and transformers writes config, safetensors and tokenizer. Run with the main environment's python (transformers, gguf, accelerate):
+from GGUF), and transformers writes config, safetensors and tokenizer. Run with the main environment's
+python (transformers, gguf, accelerate):
 
-    python3 tests/vllm/write_hf_model.py OUT_DIR
-    python3 tests/vllm/write_hf_model.py --random-tiny OUT_DIR   # the tensor-parallel test's model
+    python3 tests/vllm_integration/write_hf_model.py OUT_DIR
+    python3 tests/vllm_integration/write_hf_model.py --random-tiny OUT_DIR   # the tensor-parallel test's model
 """
 
 import os
