@@ -53,4 +53,5 @@ if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ];
   # than the CI budget on 2 cores; run it by hand (see .ci/cuda_build_check.sh).
   PAGEDKV_CUDA_CHECK_MODE="${PAGEDKV_CUDA_CHECK_MODE:-nvcc}" bash .ci/cuda_build_check.sh
 fi
+bash scripts/test_vllm.sh
 printf '\nall tests passed in %ss\n' "$(( $(date +%s) - start ))"

@@ -1,0 +1,61 @@
+"""pagedkv as a vLLM attention backend (vLLM's engine, scheduler and server; pagedkv's kernels).
+
+vLLM loads ``register`` through the ``vllm.general_plugins`` entry point in every one of its
+processes. It changes nothing unless ``PAGEDKV_VLLM=1``; then vLLM's CPU attention backend
+(``CPU_ATTN``, which vLLM's CPU platform always picks) and the ``CUSTOM`` backend (CUDA:
+``--attention-backend CUSTOM``) resolve to ``PagedKVAttentionBackend``.
+
+The backend keeps vLLM's own cache layout, one tensor per layer ``[num_blocks, Hk, block_size,
+D + Dv]`` (K and V of a head and token side by side), and hands pagedkv strided views of it:
+``kv[..., :D].transpose(1, 2)`` is the ``[N, P, Hk, D]`` key cache of CONTRACT.md (layout 3 with
+page stride ``Hk*P*(D+Dv)``), so nothing is copied. vLLM's metadata maps one to one:
+
+    input_row_offsets = query_start_loc[:B+1]
+    cache_lengths     = seq_lens[:B] - diff(input_row_offsets)   (vLLM counts this step's tokens)
+    lookup_table      = block_table[:B]
+
+``forward`` stores this step's K/V (``paged_store``), then attends (``flash_attn_paged`` into
+vLLM's output buffer). Decoder attention only: encoder, encoder-only and cross attention, ALiBi,
+attention sinks and FP8 KV caches are refused with an error that says how to run without pagedkv.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENABLE_VARIABLE = "PAGEDKV_VLLM"
+BACKEND_CLASS_PATH = "pagedkv.vllm_backend.PagedKVAttentionBackend"
+# pagedkv pages may hold any number of tokens; vLLM's configurable block sizes go up to 256.
+MAX_BLOCK_SIZE = 256
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_VARIABLE, "0") == "1"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: route vLLM's attention to pagedkv when opted in.
+
+    Runs in every vLLM process (API server, engine core, workers), so it only records class
+    paths; the backend module (and pagedkv's ops) load when vLLM resolves the class.
+    """
+    if not enabled():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
+
+
+# The backend classes subclass vLLM's and load pagedkv's ops, so they live in pagedkv.vllm_backend,
+# imported only when vLLM resolves BACKEND_CLASS_PATH: without the switch, a vLLM process that loads
+# this plugin imports nothing more than this module.
+_BACKEND_NAMES = ("PagedKVAttentionBackend", "PagedKVAttentionImpl", "PagedKVMetadataBuilder", "PagedKVMetadata")
+
+
+def __getattr__(name: str):
+    if name in _BACKEND_NAMES:
+        from . import vllm_backend
+
+        return getattr(vllm_backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
