@@ -77,12 +77,12 @@ cudaError_t encode_cached(CUtensorMap *out, const MapKey &key) {
 bool tma_view_ok(const pkv_cache_view &c) {
   const int64_t es = static_cast<int64_t>(pkv_dtype_size(c.dtype));
   if (es != 1 && es != 2) return false;
-  if (reinterpret_cast<uintptr_t>(c.data) % 16 != 0) return false;
+  if (!pkv_cache_aligned(&c, es, 16)) return false;  // base and strides
   if ((c.head_dim * es) % kSwizzleBytes != 0) return false;
-  // 16-byte strides, below 2^40 bytes, nested (each dim fits in the next stride)
+  // positive strides below 2^40 bytes, nested (each dim fits in the next stride)
   const int64_t strides[3] = {c.stride_head * es, c.stride_token * es, c.stride_page * es};
   for (int64_t s : strides)
-    if (s % 16 != 0 || s <= 0 || s >= (int64_t(1) << 40)) return false;
+    if (s <= 0 || s >= (int64_t(1) << 40)) return false;
   if (c.num_heads > 1 && strides[0] < c.head_dim * es) return false;
   if (c.page_size > 1 && strides[1] < strides[0] * c.num_heads) return false;
   if (c.num_pages > 1 && strides[2] < strides[1] * c.page_size) return false;
