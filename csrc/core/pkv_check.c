@@ -335,6 +335,25 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   return PKV_OK;
 }
 
+static pkv_status need_f32(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  if (t->dtype != PKV_DTYPE_F32)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, got %s", op, name, pkv_dtype_name(t->dtype));
+  return PKV_OK;
+}
+
+/* A log-sum-exp tensor: f32 [T, H] on the reference's device. */
+static pkv_status check_lse(const pkv_tensor *t, int64_t rows, int64_t heads, int device, const char *op,
+                            const char *name, const char *ref_name, int written, pkv_error *err) {
+  TRY(need_defined(t, op, name, err));
+  TRY(need_dims(t, 2, op, name, "[T, H]", err));
+  TRY(need_f32(t, op, name, err));
+  TRY(need_size(t, 0, rows, op, name, "T", err));
+  TRY(need_size(t, 1, heads, op, name, "H", err));
+  TRY(need_device(t, device, op, name, ref_name, err));
+  if (written) TRY(need_no_broadcast(t, op, name, err));
+  return PKV_OK;
+}
+
 /* ---- flash_attn_paged ---- */
 
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
@@ -382,6 +401,13 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   TRY(need_unit_last_stride(&a->out, op, "out", err));
   TRY(need_no_broadcast(&a->out, op, "out", err));
   TRY(need_device(&a->out, device, op, "out", "k_cache", err));
+  if (a->sinks.defined) {
+    TRY(need_dims(&a->sinks, 1, op, "sinks", "[Hq]", err));
+    TRY(need_f32(&a->sinks, op, "sinks", err));
+    TRY(need_size(&a->sinks, 0, hq, op, "sinks", "Hq of q", err));
+    TRY(need_device(&a->sinks, device, op, "sinks", "k_cache", err));
+  }
+  if (a->lse.defined) TRY(check_lse(&a->lse, a->q.sizes[0], hq, device, op, "lse", "k_cache", 1, err));
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
   if (!check_values) return PKV_OK;
@@ -398,5 +424,37 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
     if (added > 0)
       TRY(check_pages(&table, b, 0, pkv_pages_for(cached + added, page_size), a->k_cache.sizes[0], op, err));
   }
+  return PKV_OK;
+}
+
+/* ---- merge_attn_states ---- */
+
+static pkv_status check_state_out(const pkv_tensor *t, const pkv_tensor *ref, const char *op, const char *name,
+                                  int written, pkv_error *err) {
+  TRY(need_defined(t, op, name, err));
+  TRY(need_dims(t, 3, op, name, "[T, H, Dv]", err));
+  if (t->dtype != ref->dtype)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have out_a's dtype %s, got %s", op, name,
+                    pkv_dtype_name(ref->dtype), pkv_dtype_name(t->dtype));
+  for (int d = 0; d < 3; d++) TRY(need_size(t, d, ref->sizes[d], op, name, "out_a's shape", err));
+  TRY(need_unit_last_stride(t, op, name, err));
+  TRY(need_device(t, ref->device, op, name, "out_a", err));
+  if (written) TRY(need_no_broadcast(t, op, name, err));
+  return PKV_OK;
+}
+
+pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err) {
+  const char *op = "merge_attn_states";
+  TRY(need_defined(&a->out_a, op, "out_a", err));
+  TRY(need_dims(&a->out_a, 3, op, "out_a", "[T, H, Dv]", err));
+  TRY(need_float_input(&a->out_a, op, "out_a", err));
+  TRY(need_unit_last_stride(&a->out_a, op, "out_a", err));
+  TRY(check_state_out(&a->out_b, &a->out_a, op, "out_b", 0, err));
+  int64_t rows = a->out_a.sizes[0], heads = a->out_a.sizes[1];
+  int device = a->out_a.device;
+  TRY(check_lse(&a->lse_a, rows, heads, device, op, "lse_a", "out_a", 0, err));
+  TRY(check_lse(&a->lse_b, rows, heads, device, op, "lse_b", "out_a", 0, err));
+  TRY(check_state_out(&a->out, &a->out_a, op, "out", 1, err));
+  TRY(check_lse(&a->lse, rows, heads, device, op, "lse", "out_a", 1, err));
   return PKV_OK;
 }

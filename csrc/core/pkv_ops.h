@@ -52,13 +52,24 @@ typedef struct {
   int64_t quant_group;
   int64_t window_left; /* -1: no window */
   double softcap;      /* 0: off */
+  pkv_tensor sinks;    /* f32 [Hq] or undefined: exp(sinks[h]) joins head h's softmax denominator */
+  pkv_tensor lse;      /* f32 [T, Hq] or undefined: log of each row's softmax denominator, written */
 } pkv_attn_args;
+
+/* merge_attn_states: two partial attentions over disjoint key sets -> their union. */
+typedef struct {
+  pkv_tensor out_a, out_b; /* [T, H, Dv] f32/f16/bf16, same dtype */
+  pkv_tensor lse_a, lse_b; /* f32 [T, H] */
+  pkv_tensor out;          /* [T, H, Dv], out_a's dtype, written */
+  pkv_tensor lse;          /* f32 [T, H], written */
+} pkv_merge_args;
 
 /* check_values: also validate index values (page ids, lengths, offsets);
  * the index tensors' data must then be readable from the host. */
 pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error *err);
 pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err);
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err);
+pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err);
 
 /* ---- CPU kernels: validated args, host memory, a work range [begin, end) ----
  * The shim splits [0, work) across its thread pool; ranges never write the
@@ -68,6 +79,9 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end);
 
 int64_t pkv_load_cpu_work(const pkv_load_args *a); /* (row, page) pairs */
 void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end);
+
+int64_t pkv_merge_cpu_work(const pkv_merge_args *a); /* token rows */
+void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end);
 
 /* Attention is planned first: the plan lists work items (a batch row, a
  * KV head and a block of query rows), and zeroes padding rows of out. */

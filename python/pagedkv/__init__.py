@@ -13,7 +13,16 @@ from .cache import (
     PagedKVCacheFA3Fallback,
 )
 from .page_manager import OutOfPagesError, PageManager, copy_pages
-from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks
+from .ops import (
+    checks_enabled,
+    flash_attn_paged,
+    flash_attn_paged_lse,
+    merge_attn_states,
+    paged_load,
+    paged_store,
+    set_checks,
+)
+from .cascade import cascade_attention
 
 __version__ = "0.1.0"
 
@@ -21,6 +30,9 @@ __all__ = [
     "paged_store",
     "paged_load",
     "flash_attn_paged",
+    "flash_attn_paged_lse",
+    "merge_attn_states",
+    "cascade_attention",
     "set_checks",
     "checks_enabled",
     "reference",
