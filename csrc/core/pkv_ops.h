@@ -56,6 +56,24 @@ typedef struct {
   pkv_tensor lse;      /* f32 [T, Hq] or undefined: log of each row's softmax denominator, written */
 } pkv_attn_args;
 
+/* flash_attn_paged_sparse: each query row attends over the tokens it lists. */
+typedef struct {
+  pkv_tensor q;                 /* [T, Hq, D] f32/f16/bf16 */
+  pkv_tensor k_cache, v_cache;  /* [N, P, Hk, D], [N, P, Hk, Dv] */
+  pkv_tensor indices;           /* int32 [T, Hk or 1, K]: encoded tokens page * P + slot, or -1 (none) */
+  pkv_tensor k_scales, v_scales;
+  pkv_tensor sinks;             /* f32 [Hq] or undefined */
+  pkv_tensor out;               /* [T, Hq, Dv], q's dtype, written */
+  double scale;                 /* resolved */
+  int64_t quant_group;
+  double softcap;
+} pkv_sparse_args;
+
+/* Entry [t, h, k] of an int32 indices tensor (any non-negative strides). */
+PKV_HD int64_t pkv_sparse_index_at(const pkv_tensor *ix, int64_t t, int64_t h, int64_t k) {
+  return ((const int32_t *)ix->data)[t * ix->strides[0] + h * ix->strides[1] + k * ix->strides[2]];
+}
+
 /* merge_attn_states: two partial attentions over disjoint key sets -> their union. */
 typedef struct {
   pkv_tensor out_a, out_b; /* [T, H, Dv] f32/f16/bf16, same dtype */
@@ -70,6 +88,7 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
 pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err);
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err);
 pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err);
+pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_error *err);
 
 /* ---- CPU kernels: validated args, host memory, a work range [begin, end) ----
  * The shim splits [0, work) across its thread pool; ranges never write the
@@ -79,6 +98,11 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end);
 
 int64_t pkv_load_cpu_work(const pkv_load_args *a); /* (row, page) pairs */
 void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end);
+
+/* Sparse attention: items are (token row, KV head) pairs. Fails only when scratch memory cannot
+ * be allocated (nothing written then). */
+int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a);
+pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
 
 int64_t pkv_merge_cpu_work(const pkv_merge_args *a); /* token rows */
 void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end);

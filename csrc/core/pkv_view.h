@@ -55,6 +55,11 @@ PKV_HD int64_t pkv_cache_row(const pkv_cache_view *c, int64_t page, int64_t slot
   return page * (c->stride_page / c->stride_token) + slot;
 }
 
+/* Element offset of an encoded token `page * P + slot` (flash_attn_paged_sparse's indices), head h. */
+PKV_HD int64_t pkv_cache_token_offset(const pkv_cache_view *c, int64_t token, int64_t head) {
+  return pkv_cache_offset(c, token / c->page_size, token % c->page_size, head);
+}
+
 PKV_HD int32_t pkv_index_at(const pkv_index_view *v, int64_t i) { return v->data[i * v->stride_row]; }
 
 PKV_HD int32_t pkv_index_at2(const pkv_index_view *v, int64_t r, int64_t c) {

@@ -103,6 +103,27 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_cpu(const at::Tensor &out_a
   return {out, lse};
 }
 
+at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                       const at::Tensor &indices, std::optional<double> scale,
+                                       const std::optional<at::Tensor> &k_scales,
+                                       const std::optional<at::Tensor> &v_scales, int64_t quant_group, double softcap,
+                                       const std::optional<at::Tensor> &sinks) {
+  at::Tensor out = attn_output(q, v_cache);
+  pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap, sinks,
+                                  out);
+  pkv_error err{};
+  raise_if_failed(pkv_sparse_check(&a, /*check_values=*/1, &err), err);
+  std::atomic<int> failed{0};
+  pkv_error item_err{};
+  // an item gathers up to K rows of K and V: a few of them per task
+  at::parallel_for(0, pkv_sparse_cpu_work(&a), 4, [&](int64_t begin, int64_t end) {
+    pkv_error local{};
+    if (pkv_sparse_cpu(&a, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+  });
+  TORCH_CHECK(failed.load() == 0, item_err.message);
+  return out;
+}
+
 }  // namespace
 }  // namespace pagedkv
 
@@ -113,4 +134,5 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("flash_attn_paged.out", &pagedkv::flash_attn_paged_out_cpu);
   m.impl("flash_attn_paged_lse", &pagedkv::flash_attn_paged_lse_cpu);
   m.impl("merge_attn_states", &pagedkv::merge_attn_states_cpu);
+  m.impl("flash_attn_paged_sparse", &pagedkv::flash_attn_paged_sparse_cpu);
 }

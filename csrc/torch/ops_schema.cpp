@@ -40,4 +40,8 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
       "float softcap=0.0, Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def("merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attn_paged_sparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor indices, float? scale=None, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, float softcap=0.0, "
+      "Tensor? sinks=None) -> Tensor");
 }

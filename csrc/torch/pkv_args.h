@@ -91,6 +91,26 @@ inline pkv_merge_args merge_args(const at::Tensor &out_a, const at::Tensor &lse_
   return a;
 }
 
+inline pkv_sparse_args sparse_args(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                   const at::Tensor &indices, const std::optional<double> &scale,
+                                   const std::optional<at::Tensor> &k_scales,
+                                   const std::optional<at::Tensor> &v_scales, int64_t quant_group, double softcap,
+                                   const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
+  pkv_sparse_args a{};
+  a.q = describe(q);
+  a.k_cache = describe(k_cache);
+  a.v_cache = describe(v_cache);
+  a.indices = describe(indices);
+  a.k_scales = describe(k_scales);
+  a.v_scales = describe(v_scales);
+  a.sinks = describe(sinks);
+  a.out = out.defined() ? describe(out) : pkv_tensor{};
+  a.scale = resolve_scale(scale, q);
+  a.quant_group = quant_group;
+  a.softcap = softcap;
+  return a;
+}
+
 // Outputs of merge_attn_states: out_a's shape and dtype (contiguous) and float32 [T, H].
 inline std::tuple<at::Tensor, at::Tensor> merge_outputs(const at::Tensor &out_a) {
   if (out_a.dim() != 3) return {at::Tensor(), at::Tensor()};

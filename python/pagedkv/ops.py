@@ -21,6 +21,7 @@ __all__ = [
     "flash_attn_paged",
     "flash_attn_paged_lse",
     "merge_attn_states",
+    "flash_attn_paged_sparse",
     "set_checks",
     "checks_enabled",
 ]
@@ -171,6 +172,30 @@ def merge_attn_states(
     return _ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
 
 
+def flash_attn_paged_sparse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: Optional[float] = None,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
+    quant_group: int = 128,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Sparse (top-k) attention over the paged cache: query row t attends only over the tokens it lists.
+
+    q [T, Hq, D]; indices int32 [T, Hk, K] (one list per KV head) or [T, 1, K] (shared by all heads), each
+    entry an encoded token `page * P + slot` or -1 (no token); duplicates count as listed; no causal mask
+    or window. A row with no token outputs zeros. K-only (MLA) caches: pass `v_cache=k_cache[..., :Dv]`.
+    Entries < -1 or >= N * P raise an index error (on CUDA when checks are on; skipped otherwise).
+    Returns [T, Hq, Dv] in q's dtype.
+    """
+    return _ops.flash_attn_paged_sparse(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group,
+                                        softcap, sinks)
+
+
 def set_checks(enabled: bool) -> None:
     """Check CUDA calls' index values on the host (same as PAGEDKV_CHECK=1). CPU always checks."""
     _C.set_checks(bool(enabled))
@@ -255,3 +280,11 @@ def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
     _same_device("merge_attn_states", "out_a", out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     return torch.empty_like(out_a, memory_format=torch.contiguous_format), lse_a.new_empty(
         (out_a.size(0), out_a.size(1)), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged_sparse")
+def _flash_attn_paged_sparse_fake(q, k_cache, v_cache, indices, scale=None, k_scales=None, v_scales=None,
+                                  quant_group=128, softcap=0.0, sinks=None):
+    _same_device("flash_attn_paged_sparse", "k_cache", k_cache, q=q, v_cache=v_cache, indices=indices,
+                 k_scales=k_scales, v_scales=v_scales, sinks=sinks)
+    return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
