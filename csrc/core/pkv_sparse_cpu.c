@@ -16,14 +16,23 @@
 
 int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a) { return a->q.sizes[0] * a->k_cache.sizes[2]; }
 
-/* Gather the listed tokens' rows of one head into dst [count, n] as float32; returns count. */
+/* Gather the listed tokens' rows of one head into dst [count, n] as float32; returns count. The rows
+ * are scattered over the pool, so the next rows are prefetched while one is converted. */
+#define PKV_SPARSE_PREFETCH_AHEAD 8
 static int64_t gather_rows(const pkv_cpu_kernels *k, const pkv_sparse_args *a, const pkv_tensor *cache_t,
                            const pkv_tensor *scales_t, int64_t t, int64_t list, int64_t head, float *dst) {
   pkv_cache_view cache = pkv_cache_view_from(cache_t), scales = {0};
   if (scales_t->defined) scales = pkv_cache_view_from(scales_t);
-  int64_t tokens = cache.num_pages * cache.page_size, n = cache.head_dim, count = 0;
+  int64_t tokens = cache.num_pages * cache.page_size, n = cache.head_dim, count = 0, listed = a->indices.sizes[2];
   size_t es = pkv_dtype_size(cache.dtype);
-  for (int64_t j = 0; j < a->indices.sizes[2]; j++) {
+  for (int64_t j = 0; j < listed; j++) {
+    if (j + PKV_SPARSE_PREFETCH_AHEAD < listed) {
+      int64_t ahead = pkv_sparse_index_at(&a->indices, t, list, j + PKV_SPARSE_PREFETCH_AHEAD);
+      if (ahead >= 0 && ahead < tokens) {
+        const char *row = (const char *)cache.data + pkv_cache_token_offset(&cache, ahead, head) * (int64_t)es;
+        for (int64_t b = 0; b < n * (int64_t)es; b += 64) __builtin_prefetch(row + b);
+      }
+    }
     int64_t token = pkv_sparse_index_at(&a->indices, t, list, j);
     if (token < 0 || token >= tokens) continue;
     const char *src = (const char *)cache.data + pkv_cache_token_offset(&cache, token, head) * (int64_t)es;
@@ -33,6 +42,18 @@ static int64_t gather_rows(const pkv_cpu_kernels *k, const pkv_sparse_args *a, c
     count++;
   }
   return count;
+}
+
+/* q . k over n floats with 8 independent partial sums (vectorizable without reassociation flags). */
+static float dot_f32(const float *x, const float *y, int64_t n) {
+  float part[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; u++) part[u] += x[i + u] * y[i + u];
+  float sum = 0.0f;
+  for (; i < n; i++) sum += x[i] * y[i];
+  for (int u = 0; u < 8; u++) sum += part[u];
+  return sum;
 }
 
 pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err) {
@@ -58,9 +79,7 @@ pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, 
       /* scores in log2 units (softcap applied in natural units first) */
       float m = -INFINITY;
       for (int64_t j = 0; j < count; j++) {
-        const float *kr = keys + j * d;
-        float dot = 0.0f;
-        for (int64_t i = 0; i < d; i++) dot += qrow[i] * kr[i];
+        float dot = dot_f32(qrow, keys + j * d, d);
         float s = softcap > 0.0f ? softcap * tanhf(dot * (float)a->scale / softcap) * PKV_LOG2E : dot * scale_l2;
         probs[j] = s;
         if (s > m || s != s) m = s;
