@@ -500,3 +500,22 @@ def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, q_dtype, w
             f"{what}: relative error {rel.max().item():.3e} > {tol:.0e} at token "
             f"{live.nonzero().flatten()[worst].item()}"
         )
+
+
+def lse_tolerance(q_dtype: torch.dtype) -> float:
+    # absolute, in natural-log units: float32 softmax sums vs bf16-accurate probabilities (AMX) for
+    # half-precision queries, whose relative error 2e-2 on the sum is ~2e-2 on its log
+    return 1e-4 if q_dtype == torch.float32 else 2e-2
+
+
+def assert_lse_close(got: torch.Tensor, expected: torch.Tensor, q_dtype, what=""):
+    assert got.dtype == torch.float32 and got.shape == expected.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    got, expected = got.cpu().double(), expected.cpu().double()
+    infinite = torch.isinf(expected)
+    assert torch.equal(got[infinite], expected[infinite]), f"{what}: -inf entries differ"
+    assert torch.isfinite(got[~infinite]).all(), f"{what}: non-finite lse where the reference is finite"
+    err = (got[~infinite] - expected[~infinite]).abs().max().item() if (~infinite).any() else 0.0
+    assert err <= lse_tolerance(q_dtype), f"{what}: lse error {err:.3e} > {lse_tolerance(q_dtype):.0e}"
+
+
+# rows (cached, new): decode rows, a prefill row, an empty row, and one long decode row that the CPU

@@ -516,8 +516,6 @@ def test_errors_name_the_problem(saved_models):
 # A value for each result-changing keyword transformers' attention calls may pass (see
 # pagedkv.hf._UNSUPPORTED_KEYWORDS); query [2, 4, 3, 16], key [2, 2, 3, 16].
 UNSUPPORTED_KEYWORD_VALUES = {
-    "s_aux": torch.zeros(4),
-    "sinks": torch.zeros(4),
     "head_mask": torch.ones(4),
     "position_bias": torch.zeros(2, 4, 3, 3),
     "indices": torch.zeros(2, 1, 3, dtype=torch.int32),
@@ -588,20 +586,36 @@ def gpt_oss_config():
                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def test_gpt_oss_attention_sinks_are_refused():
-    """A gpt-oss model passes its per-head sinks as s_aux: pagedkv names the argument and the feature
-    instead of attending without them (which gives logits far from transformers' eager attention)."""
+def test_gpt_oss_attention_sinks_match_eager():
+    """A gpt-oss model passes its per-head sinks as s_aux (sliding window on every other layer, GQA):
+    pagedkv attends with them (flash_attn_paged's sinks). Logits equal transformers' eager attention
+    with and without padding, and greedy generation on a PagedCache gives eager's tokens."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager").eval()
-    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that matter (the config starts them at 0)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
     with torch.inference_mode():
-        assert torch.isfinite(model(input_ids=ids).logits).all()  # the model itself runs (eager)
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        eager_tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         model.set_attn_implementation(phf.IMPLEMENTATION)
-        with pytest.raises(NotImplementedError, match="does not implement s_aux, .*attention sinks"):
-            model(input_ids=ids)
-        with pytest.raises(NotImplementedError, match="s_aux"):
-            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False,
-                           **{phf._cache_argument(model): phf.PagedCache(model)})
+        paged = model(input_ids=ids, attention_mask=mask).logits
+        paged_tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      **{phf._cache_argument(model): phf.PagedCache(model)})
+    real = mask.bool()
+    torch.testing.assert_close(paged[real], eager[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(paged_tokens, eager_tokens)
+
+
+def test_bad_sinks_are_refused_by_name(saved_models):
+    module, query, key, value = attention_inputs(saved_models)
+    with pytest.raises(ValueError, match=r"s_aux \(attention sinks\) must be a tensor of one logit per query head"):
+        phf.attention_forward(module, query, key, value, None, s_aux=torch.zeros(3))
+    with pytest.raises(ValueError, match="attention sinks twice"):
+        phf.attention_forward(module, query, key, value, None, s_aux=torch.zeros(4), sinks=torch.zeros(4))
 
 
 def test_model_output_switches_pass_through(saved_models):

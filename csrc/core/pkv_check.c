@@ -337,53 +337,92 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   return PKV_OK;
 }
 
+static pkv_status need_f32(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
+  if (t->dtype != PKV_DTYPE_F32)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, got %s", op, name, pkv_dtype_name(t->dtype));
+  return PKV_OK;
+}
+
+/* A log-sum-exp tensor: f32 [T, H] on the reference's device. */
+static pkv_status check_lse(const pkv_tensor *t, int64_t rows, int64_t heads, int device, const char *op,
+                            const char *name, const char *ref_name, int written, pkv_error *err) {
+  TRY(need_defined(t, op, name, err));
+  TRY(need_dims(t, 2, op, name, "[T, H]", err));
+  TRY(need_f32(t, op, name, err));
+  TRY(need_size(t, 0, rows, op, name, "T", err));
+  TRY(need_size(t, 1, heads, op, name, "H", err));
+  TRY(need_device(t, device, op, name, ref_name, err));
+  if (written) TRY(need_no_broadcast(t, op, name, err));
+  return PKV_OK;
+}
+
 /* ---- flash_attn_paged ---- */
 
-pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
-  const char *op = "flash_attn_paged";
-  TRY(check_group(a->quant_group, op, err));
-  TRY(check_cache(&a->k_cache, op, "k_cache", 0, err));
-  TRY(check_cache(&a->v_cache, op, "v_cache", 0, err));
-  int device = a->k_cache.device;
-  TRY(need_device(&a->v_cache, device, op, "v_cache", "k_cache", err));
-  TRY(need_size(&a->v_cache, 0, a->k_cache.sizes[0], op, "v_cache", "N of k_cache", err));
-  TRY(need_size(&a->v_cache, 1, a->k_cache.sizes[1], op, "v_cache", "P of k_cache", err));
-  TRY(need_size(&a->v_cache, 2, a->k_cache.sizes[2], op, "v_cache", "Hk of k_cache", err));
-  TRY(check_scales(&a->k_scales, &a->k_cache, a->quant_group, op, "k_scales", "k_cache", 0, err));
-  TRY(check_scales(&a->v_scales, &a->v_cache, a->quant_group, op, "v_scales", "v_cache", 0, err));
-  if (a->k_scales.defined) TRY(need_device(&a->k_scales, device, op, "k_scales", "k_cache", err));
-  if (a->v_scales.defined) TRY(need_device(&a->v_scales, device, op, "v_scales", "k_cache", err));
-  TRY(need_defined(&a->q, op, "q", err));
-  TRY(need_dims(&a->q, 3, op, "q", "[T, Hq, D]", err));
-  TRY(need_float_input(&a->q, op, "q", err));
-  TRY(need_device(&a->q, device, op, "q", "k_cache", err));
-  TRY(need_size(&a->q, 2, a->k_cache.sizes[3], op, "q", "D of k_cache", err));
-  TRY(need_unit_last_stride(&a->q, op, "q", err));
-  int64_t hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
+/* The operands every attention op shares: q [T, Hq, D], the K/V caches and scales, scale, softcap,
+ * sinks [Hq] and out [T, Hq, Dv]. */
+static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, const pkv_tensor *k_cache,
+                                           const pkv_tensor *v_cache, const pkv_tensor *k_scales,
+                                           const pkv_tensor *v_scales, const pkv_tensor *sinks,
+                                           const pkv_tensor *out, int64_t quant_group, double scale, double softcap,
+                                           pkv_error *err) {
+  TRY(check_group(quant_group, op, err));
+  TRY(check_cache(k_cache, op, "k_cache", 0, err));
+  TRY(check_cache(v_cache, op, "v_cache", 0, err));
+  int device = k_cache->device;
+  TRY(need_device(v_cache, device, op, "v_cache", "k_cache", err));
+  TRY(need_size(v_cache, 0, k_cache->sizes[0], op, "v_cache", "N of k_cache", err));
+  TRY(need_size(v_cache, 1, k_cache->sizes[1], op, "v_cache", "P of k_cache", err));
+  TRY(need_size(v_cache, 2, k_cache->sizes[2], op, "v_cache", "Hk of k_cache", err));
+  TRY(check_scales(k_scales, k_cache, quant_group, op, "k_scales", "k_cache", 0, err));
+  TRY(check_scales(v_scales, v_cache, quant_group, op, "v_scales", "v_cache", 0, err));
+  if (k_scales->defined) TRY(need_device(k_scales, device, op, "k_scales", "k_cache", err));
+  if (v_scales->defined) TRY(need_device(v_scales, device, op, "v_scales", "k_cache", err));
+  TRY(need_defined(q, op, "q", err));
+  TRY(need_dims(q, 3, op, "q", "[T, Hq, D]", err));
+  TRY(need_float_input(q, op, "q", err));
+  TRY(need_device(q, device, op, "q", "k_cache", err));
+  TRY(need_size(q, 2, k_cache->sizes[3], op, "q", "D of k_cache", err));
+  TRY(need_unit_last_stride(q, op, "q", err));
+  int64_t hq = q->sizes[1], hk = k_cache->sizes[2];
   if (hq < 1 || hq % hk != 0)
     return pkv_fail(err, PKV_ERR_ARGUMENT,
                     "%s: q.size(1) (Hq = %lld) must be a positive multiple of k_cache.size(2) (Hk = %lld)", op,
                     (long long)hq, (long long)hk);
+  /* inf would give softcap * tanh(s / softcap) = inf * 0 = NaN for every score */
+  if (!(softcap >= 0.0) || softcap == 1.0 / 0.0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be finite and >= 0 (0 disables it), got %g", op,
+                    softcap);
+  if (!(scale == scale) || scale == 1.0 / 0.0 || scale == -1.0 / 0.0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, scale);
+  TRY(need_defined(out, op, "out", err));
+  TRY(need_dims(out, 3, op, "out", "[T, Hq, Dv]", err));
+  if (out->dtype != q->dtype)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: out must have q's dtype %s, got %s", op, pkv_dtype_name(q->dtype),
+                    pkv_dtype_name(out->dtype));
+  TRY(need_size(out, 0, q->sizes[0], op, "out", "T of q", err));
+  TRY(need_size(out, 1, hq, op, "out", "Hq of q", err));
+  TRY(need_size(out, 2, v_cache->sizes[3], op, "out", "Dv of v_cache", err));
+  TRY(need_unit_last_stride(out, op, "out", err));
+  TRY(need_no_broadcast(out, op, "out", err));
+  TRY(need_device(out, device, op, "out", "k_cache", err));
+  if (sinks->defined) {
+    TRY(need_dims(sinks, 1, op, "sinks", "[Hq]", err));
+    TRY(need_f32(sinks, op, "sinks", err));
+    TRY(need_size(sinks, 0, hq, op, "sinks", "Hq of q", err));
+    TRY(need_device(sinks, device, op, "sinks", "k_cache", err));
+  }
+  return PKV_OK;
+}
+
+pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
+  const char *op = "flash_attn_paged";
+  TRY(check_attention_operands(op, &a->q, &a->k_cache, &a->v_cache, &a->k_scales, &a->v_scales, &a->sinks, &a->out,
+                               a->quant_group, a->scale, a->softcap, err));
+  int device = a->k_cache.device;
   if (a->window_left < -1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: window_left must be -1 (no window) or >= 0, got %lld", op,
                     (long long)a->window_left);
-  /* inf would give softcap * tanh(s / softcap) = inf * 0 = NaN for every score */
-  if (!(a->softcap >= 0.0) || a->softcap == 1.0 / 0.0)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be finite and >= 0 (0 disables it), got %g", op,
-                    a->softcap);
-  if (!(a->scale == a->scale) || a->scale == 1.0 / 0.0 || a->scale == -1.0 / 0.0)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, a->scale);
-  TRY(need_defined(&a->out, op, "out", err));
-  TRY(need_dims(&a->out, 3, op, "out", "[T, Hq, Dv]", err));
-  if (a->out.dtype != a->q.dtype)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: out must have q's dtype %s, got %s", op, pkv_dtype_name(a->q.dtype),
-                    pkv_dtype_name(a->out.dtype));
-  TRY(need_size(&a->out, 0, a->q.sizes[0], op, "out", "T of q", err));
-  TRY(need_size(&a->out, 1, hq, op, "out", "Hq of q", err));
-  TRY(need_size(&a->out, 2, a->v_cache.sizes[3], op, "out", "Dv of v_cache", err));
-  TRY(need_unit_last_stride(&a->out, op, "out", err));
-  TRY(need_no_broadcast(&a->out, op, "out", err));
-  TRY(need_device(&a->out, device, op, "out", "k_cache", err));
+  if (a->lse.defined) TRY(check_lse(&a->lse, a->q.sizes[0], a->q.sizes[1], device, op, "lse", "k_cache", 1, err));
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
   if (!check_values) return PKV_OK;
@@ -429,4 +468,66 @@ pkv_status pkv_copy_pages_check(const pkv_copy_pages_args *a, int check_values, 
   /* the value rule lives with the page manager that makes the copy lists (pkv_pm_copies.c) */
   return pkv_copy_pages_check_values(a->pool.sizes[0], (const int32_t *)a->src_pages.data,
                                      (const int32_t *)a->dst_pages.data, a->src_pages.sizes[0], err);
+}
+
+/* ---- merge_attn_states ---- */
+
+static pkv_status check_state_out(const pkv_tensor *t, const pkv_tensor *ref, const char *op, const char *name,
+                                  int written, pkv_error *err) {
+  TRY(need_defined(t, op, name, err));
+  TRY(need_dims(t, 3, op, name, "[T, H, Dv]", err));
+  if (t->dtype != ref->dtype)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must have out_a's dtype %s, got %s", op, name,
+                    pkv_dtype_name(ref->dtype), pkv_dtype_name(t->dtype));
+  for (int d = 0; d < 3; d++) TRY(need_size(t, d, ref->sizes[d], op, name, "out_a's shape", err));
+  TRY(need_unit_last_stride(t, op, name, err));
+  TRY(need_device(t, ref->device, op, name, "out_a", err));
+  if (written) TRY(need_no_broadcast(t, op, name, err));
+  return PKV_OK;
+}
+
+pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err) {
+  const char *op = "merge_attn_states";
+  TRY(need_defined(&a->out_a, op, "out_a", err));
+  TRY(need_dims(&a->out_a, 3, op, "out_a", "[T, H, Dv]", err));
+  TRY(need_float_input(&a->out_a, op, "out_a", err));
+  TRY(need_unit_last_stride(&a->out_a, op, "out_a", err));
+  TRY(check_state_out(&a->out_b, &a->out_a, op, "out_b", 0, err));
+  int64_t rows = a->out_a.sizes[0], heads = a->out_a.sizes[1];
+  int device = a->out_a.device;
+  TRY(check_lse(&a->lse_a, rows, heads, device, op, "lse_a", "out_a", 0, err));
+  TRY(check_lse(&a->lse_b, rows, heads, device, op, "lse_b", "out_a", 0, err));
+  TRY(check_state_out(&a->out, &a->out_a, op, "out", 1, err));
+  TRY(check_lse(&a->lse, rows, heads, device, op, "lse", "out_a", 1, err));
+  return PKV_OK;
+}
+
+/* ---- flash_attn_paged_sparse ---- */
+
+pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_error *err) {
+  const char *op = "flash_attn_paged_sparse";
+  TRY(check_attention_operands(op, &a->q, &a->k_cache, &a->v_cache, &a->k_scales, &a->v_scales, &a->sinks, &a->out,
+                               a->quant_group, a->scale, a->softcap, err));
+  const pkv_tensor *ix = &a->indices;
+  TRY(need_defined(ix, op, "indices", err));
+  TRY(need_dims(ix, 3, op, "indices", "[T, Hk or 1, K]", err));
+  TRY(need_int32(ix, op, "indices", err));
+  TRY(need_device(ix, a->k_cache.device, op, "indices", "k_cache", err));
+  TRY(need_size(ix, 0, a->q.sizes[0], op, "indices", "T of q", err));
+  int64_t hk = a->k_cache.sizes[2];
+  if (ix->sizes[1] != hk && ix->sizes[1] != 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: indices.size(1) must be %lld (Hk: one list per KV head) or 1 (one "
+                    "list shared by all heads), got %lld", op, (long long)hk, (long long)ix->sizes[1]);
+  if (!check_values) return PKV_OK;
+  int64_t tokens = a->k_cache.sizes[0] * a->k_cache.sizes[1];
+  for (int64_t t = 0; t < ix->sizes[0]; t++)
+    for (int64_t h = 0; h < ix->sizes[1]; h++)
+      for (int64_t k = 0; k < ix->sizes[2]; k++) {
+        int64_t v = pkv_sparse_index_at(ix, t, h, k);
+        if (v < -1 || v >= tokens)
+          return pkv_fail(err, PKV_ERR_INDEX, "%s: indices[%lld, %lld, %lld] must be -1 (no token) or an encoded "
+                          "token page * P + slot in [0, %lld) (N * P), got %lld", op, (long long)t, (long long)h,
+                          (long long)k, (long long)tokens, (long long)v);
+      }
+  return PKV_OK;
 }

@@ -159,4 +159,55 @@ PKV_HD void pkv_store_f32(void *p, int64_t i, pkv_dtype dtype, float v) {
   }
 }
 
+/* ---- the end of an online softmax ----
+ * A row's running max m (log2 units: scores were scaled by log2(e)) and sum l of 2^(x - m), plus an
+ * optional sink logit (natural units; -inf for none) that joins the denominator with no value.
+ * Gives the factor for the row's accumulator (out = acc * inv) and the natural-log denominator:
+ *  - a NaN sum (a NaN or +inf score) stays NaN in both, never dropped;
+ *  - no visible key (l == 0): zeros out, lse = the sink (-inf without one);
+ *  - otherwise lse = ln(2^m l + e^sink), formed around max(m, sink) so neither term overflows. */
+#define PKV_LOG2E 1.4426950408889634f
+#define PKV_LN2 0.6931471805599453f
+PKV_HD void pkv_softmax_finish(float m, float l, float sink, float *inv, float *lse) {
+  if (l != l) {
+    *inv = NAN;
+    *lse = NAN;
+    return;
+  }
+  if (!(l > 0.0f)) {
+    *inv = 0.0f;
+    *lse = sink;
+    return;
+  }
+  float s2 = sink * PKV_LOG2E;
+  if (s2 == -INFINITY) {
+    *inv = 1.0f / l;
+    *lse = (m + log2f(l)) * PKV_LN2;
+    return;
+  }
+  float top = m > s2 ? m : s2, keys = l * exp2f(m - top), den = keys + exp2f(s2 - top);
+  *inv = exp2f(m - top) / den;
+  *lse = (top + log2f(den)) * PKV_LN2;
+}
+
+/* ---- merging two attention states over disjoint key sets ----
+ * lse = ln(e^la + e^lb), out = wa * out_a + wb * out_b with wa = e^(la - lse), wb = e^(lb - lse).
+ * Both parts empty (-inf): lse = -inf and zero weights (out = 0). A NaN part gives NaN. */
+PKV_HD void pkv_merge_weights(float la, float lb, float *wa, float *wb, float *lse) {
+  if (la != la || lb != lb) {
+    *wa = *wb = *lse = NAN;
+    return;
+  }
+  float top = la > lb ? la : lb;
+  if (top == -INFINITY) {
+    *wa = *wb = 0.0f;
+    *lse = -INFINITY;
+    return;
+  }
+  float l = top + log1pf(expf((la > lb ? lb : la) - top));
+  *lse = l;
+  *wa = expf(la - l);
+  *wb = expf(lb - l);
+}
+
 #endif /* PKV_NUMERIC_H */

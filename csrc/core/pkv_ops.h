@@ -53,6 +53,8 @@ typedef struct {
   int64_t quant_group;
   int64_t window_left; /* -1: no window */
   double softcap;      /* 0: off */
+  pkv_tensor sinks;    /* f32 [Hq] or undefined: exp(sinks[h]) joins head h's softmax denominator */
+  pkv_tensor lse;      /* f32 [T, Hq] or undefined: log of each row's softmax denominator, written */
 } pkv_attn_args;
 
 /* copy_pages: pool[dst_pages[i]] = pool[src_pages[i]] along dim 0 (the page manager's
@@ -62,6 +64,32 @@ typedef struct {
   pkv_tensor src_pages; /* int32 [C] on pool's device, values in [0, N) */
   pkv_tensor dst_pages; /* int32 [C], distinct and disjoint from src_pages */
 } pkv_copy_pages_args;
+
+/* flash_attn_paged_sparse: each query row attends over the tokens it lists. */
+typedef struct {
+  pkv_tensor q;                 /* [T, Hq, D] f32/f16/bf16 */
+  pkv_tensor k_cache, v_cache;  /* [N, P, Hk, D], [N, P, Hk, Dv] */
+  pkv_tensor indices;           /* int32 [T, Hk or 1, K]: encoded tokens page * P + slot, or -1 (none) */
+  pkv_tensor k_scales, v_scales;
+  pkv_tensor sinks;             /* f32 [Hq] or undefined */
+  pkv_tensor out;               /* [T, Hq, Dv], q's dtype, written */
+  double scale;                 /* resolved */
+  int64_t quant_group;
+  double softcap;
+} pkv_sparse_args;
+
+/* Entry [t, h, k] of an int32 indices tensor (any non-negative strides). */
+PKV_HD int64_t pkv_sparse_index_at(const pkv_tensor *ix, int64_t t, int64_t h, int64_t k) {
+  return ((const int32_t *)ix->data)[t * ix->strides[0] + h * ix->strides[1] + k * ix->strides[2]];
+}
+
+/* merge_attn_states: two partial attentions over disjoint key sets -> their union. */
+typedef struct {
+  pkv_tensor out_a, out_b; /* [T, H, Dv] f32/f16/bf16, same dtype */
+  pkv_tensor lse_a, lse_b; /* f32 [T, H] */
+  pkv_tensor out;          /* [T, H, Dv], out_a's dtype, written */
+  pkv_tensor lse;          /* f32 [T, H], written */
+} pkv_merge_args;
 
 /* check_values: also validate index values (page ids, lengths, offsets);
  * the index tensors' data must then be readable from the host (for
@@ -76,6 +104,8 @@ pkv_status pkv_copy_pages_check(const pkv_copy_pages_args *a, int check_values, 
  * run in any order, or all at once). */
 pkv_status pkv_copy_pages_check_values(int64_t num_pages, const int32_t *src_pages, const int32_t *dst_pages,
                                        int64_t num_copies, pkv_error *err);
+pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err);
+pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_error *err);
 
 #ifdef __cplusplus
 }

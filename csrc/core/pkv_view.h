@@ -86,6 +86,12 @@ PKV_HD int32_t pkv_page_of(const pkv_index_view *lookup_table, int64_t b, int64_
 /* Slot (token row within its page) of logical token `pos`. */
 PKV_HD int64_t pkv_slot_of(int64_t pos, int64_t page_size) { return pos % page_size; }
 
+/* Element offset of an encoded token `page * P + slot` (the seeds' get_tma_row encoding, as
+ * flash_attn_paged_sparse's indices hold it), head h. */
+PKV_HD int64_t pkv_cache_token_offset(const pkv_cache_view *c, int64_t token, int64_t head) {
+  return pkv_cache_offset(c, token / c->page_size, pkv_slot_of(token, c->page_size), head);
+}
+
 /* Seed accessor: tokens already cached for row b. */
 PKV_HD int64_t pkv_cache_length(const pkv_index_view *cache_lengths, int64_t b) {
   return pkv_index_at(cache_lengths, b);

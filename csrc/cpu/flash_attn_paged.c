@@ -209,8 +209,12 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   plan->items = items;
   plan->num_items = n;
 
-  /* padding rows (at or after offsets[B]) output zeros */
+  /* padding rows (at or after offsets[B]) output zeros, and lse -inf */
   pkv_rows_view out = pkv_rows_view_from(&a->out);
+  if (a->lse.defined)
+    for (int64_t row = pkv_index_at(&offsets, batch); row < out.num_rows; row++)
+      for (int64_t h = 0; h < out.num_heads; h++)
+        ((float *)a->lse.data)[row * a->lse.strides[0] + h * a->lse.strides[1]] = -INFINITY;
   size_t row_bytes = (size_t)out.head_dim * pkv_dtype_size(out.dtype);
   for (int64_t row = pkv_index_at(&offsets, batch); row < out.num_rows; row++)
     for (int64_t h = 0; h < out.num_heads; h++)
@@ -268,6 +272,14 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   return mem;
 }
 
+float pkv_attn_cpu_finish_row(const pkv_attn_args *a, int64_t row, int64_t head, float m, float l) {
+  float sink = a->sinks.defined ? ((const float *)a->sinks.data)[head * a->sinks.strides[0]] : -INFINITY;
+  float inv, lse;
+  pkv_softmax_finish(m, l, sink, &inv, &lse);
+  if (a->lse.defined) ((float *)a->lse.data)[row * a->lse.strides[0] + head * a->lse.strides[1]] = lse;
+  return inv;
+}
+
 /* Log-sum-exp merge of a split group's partials into out. */
 static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st) {
   pkv_rows_view out = pkv_rows_view_from(&a->out);
@@ -290,7 +302,8 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
       weight[s] = mx == -INFINITY || p[qi] == -INFINITY ? 0.0f : exp2f(p[qi] - mx); /* m in log2 units */
       sum += weight[s] * p[nq + qi];
     }
-    float inv = sum > 0.0f ? 1.0f / sum : (sum == sum ? 0.0f : NAN); /* NaN: a split saw a NaN/+inf score */
+    /* a NaN sum (a split saw a NaN/+inf score) stays NaN */
+    float inv = pkv_attn_cpu_finish_row(a, it->first_row + r, head, mx, sum);
     for (int64_t i = 0; i < dv; i++) {
       float acc = 0.0f;
       for (int64_t s = 0; s < count; s++) acc += weight[s] * base[s * st->slot_floats + 2 * nq + qi * dv + i];

@@ -76,6 +76,11 @@ extern const pkv_cpu_kernels pkv_cpu_kernels_avx2;
 extern const pkv_cpu_kernels pkv_cpu_kernels_avx512;
 extern const pkv_cpu_kernels pkv_cpu_kernels_amx;
 
+/* End of one query vector's softmax (row `row`, query head `head`): applies the sink of a->sinks,
+ * writes a->lse when defined, and returns the factor of its accumulator. m is the running max in
+ * log2 units, l the sum of 2^(x - m) (pkv_softmax_finish). */
+float pkv_attn_cpu_finish_row(const pkv_attn_args *a, int64_t row, int64_t head, float m, float l);
+
 /* The table for this process (chosen once; thread-safe). */
 const pkv_cpu_kernels *pkv_cpu_kernels_get(void);
 /* 1 when the chosen table is AVX-512 and the CPU has AVX512_BF16 dot products. */

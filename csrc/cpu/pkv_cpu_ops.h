@@ -19,6 +19,14 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end);
 int64_t pkv_load_cpu_work(const pkv_load_args *a); /* (row, page) pairs */
 void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end);
 
+/* Sparse attention: items are (token row, KV head) pairs. Fails only when scratch memory cannot
+ * be allocated (nothing written then). */
+int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a);
+pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
+
+int64_t pkv_merge_cpu_work(const pkv_merge_args *a); /* token rows */
+void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end);
+
 /* Attention is planned first: the plan lists work items (a batch row, a
  * KV head and a block of query rows), and zeroes padding rows of out. */
 typedef struct {

@@ -74,6 +74,10 @@ struct AttnParams {
   int box_rows;
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
+  const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
+  int64_t sinks_stride;
+  float *lse;          // [T, Hq] or null: natural-log softmax denominators (flash_attn_paged_lse)
+  int64_t lse_stride_row, lse_stride_head;
 };
 
 // Rows [start, start + n) of batch row b, clamped to [0, T).
@@ -141,19 +145,23 @@ __device__ __forceinline__ void store_pair(T *dst, float x, float y, bool aligne
   }
 }
 
-// Padding rows [offsets[B], T) output zeros (non-split launches; the combine
-// kernel does it otherwise). Spread over the CTAs of split 0.
+// Padding rows [offsets[B], T) output zeros and lse -inf (non-split launches;
+// the combine kernel does it otherwise). Spread over the CTAs of split 0.
 template <typename T>
 __device__ void zero_padding_rows(const AttnParams &p, int64_t kv_head, int dv) {
   int64_t first = pkv_index_at(&p.offsets, p.offsets.rows - 1);
   first = first < 0 ? 0 : first;
   const int64_t heads = p.group;
-  for (int64_t r = first + blockIdx.x; r < p.num_rows; r += gridDim.x)
+  for (int64_t r = first + blockIdx.x; r < p.num_rows; r += gridDim.x) {
     for (int64_t i = threadIdx.x; i < heads * dv; i += kAttnThreads) {
       const int64_t h = kv_head * p.group + i / dv, c = i % dv;
       T *dst = static_cast<T *>(p.out.data) + r * p.out.stride_row + h * p.out.stride_head + c;
       *reinterpret_cast<uint16_t *>(dst) = 0;
     }
+    if (p.lse)
+      for (int64_t i = threadIdx.x; i < heads; i += kAttnThreads)
+        p.lse[r * p.lse_stride_row + (kv_head * p.group + i) * p.lse_stride_head] = -INFINITY;
+  }
 }
 
 template <int D, typename T, bool kFp8, int kLoader>
@@ -420,13 +428,19 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     const int r = warp * 16 + (lane >> 2) + 8 * i;
     const int64_t gp = tile_first + r;
     const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     if (p.num_splits == 1) {
+      // the sink joins here; a NaN sum (a NaN or +inf score) stays NaN (pkv_softmax_finish)
+      float inv, lse;
+      pkv_softmax_finish(row_max[i], l, p.sinks ? p.sinks[head * p.sinks_stride] : -INFINITY, &inv, &lse);
+      if (p.lse && (lane & 3) == 0) p.lse[row * p.lse_stride_row + head * p.lse_stride_head] = lse;
       T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
 #pragma unroll
       for (int dt = 0; dt < D / 8; dt++)
         store_pair<T>(dst + dt * 8 + 2 * (lane & 3), o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv, p.out_aligned);
     } else {
+      // a split's partial: its own normalisation (the sink joins once, in the combine); a NaN
+      // sum stays NaN in both so the combine cannot drop it
+      const float inv = l > 0.0f ? 1.0f / l : (l == l ? 0.0f : NAN);
       const int64_t hq = p.q.num_heads;
       const int64_t idx = (split * p.num_rows + row) * hq + head;
       float *dst = p.partial_out + idx * D;
@@ -434,7 +448,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       for (int dt = 0; dt < D / 8; dt++)
         *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * (lane & 3)) =
             make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
-      if ((lane & 3) == 0) p.partial_lse[idx] = l > 0.0f ? row_max[i] + log2f(l) : -INFINITY;
+      if ((lane & 3) == 0) p.partial_lse[idx] = l > 0.0f ? row_max[i] + log2f(l) : (l == l ? -INFINITY : NAN);
     }
   }
 }
@@ -453,28 +467,35 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // Merge the splits of one (row, query head) per warp:
-// out = sum_s 2^(lse_s - L) o_s with L = log2 sum_s 2^lse_s.
+// out = sum_s 2^(lse_s - L) o_s with L = log2 sum_s 2^lse_s (plus the sink's 2^sink in the
+// sum when there is one). A NaN partial makes the row NaN, as on the CPU.
 template <typename T>
 __global__ void __launch_bounds__(128) attn_combine_kernel(const __grid_constant__ AttnParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t hq = p.q.num_heads, dv = p.v.head_dim;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  if (item >= p.num_rows * hq) return;
+  if (item >= p.num_rows * hq) return;  // warp-uniform
   const int64_t row = item / hq, head = item % hq;
   T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
   const bool real = find_batch_row(p.offsets, row) >= 0;
   float lse = -INFINITY;
   if (real && lane < p.num_splits) lse = p.partial_lse[(lane * p.num_rows + row) * hq + head];
+  const bool any_nan = __any_sync(0xffffffffu, lse != lse);
   const float mx = warp_max(lse);
-  const float w = mx == -INFINITY ? 0.0f : exp2f(lse - mx);
-  const float total = warp_sum(w);
-  const float norm = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int64_t c = lane; c < dv; c += kWarp) {
+  const float w = mx == -INFINITY || lse == -INFINITY ? 0.0f : exp2f(lse - mx);
+  const float total = any_nan ? NAN : warp_sum(w);
+  float norm, row_lse;
+  pkv_softmax_finish(mx, total, real && p.sinks ? p.sinks[head * p.sinks_stride] : -INFINITY, &norm, &row_lse);
+  if (p.lse && lane == 0) p.lse[row * p.lse_stride_row + head * p.lse_stride_head] = row_lse;
+  // every lane runs every iteration (the shuffles need the whole warp), whatever dv is
+  for (int64_t c0 = 0; c0 < dv; c0 += kWarp) {
+    const int64_t c = c0 + lane;
     float acc = 0.0f;
     for (int s = 0; s < p.num_splits; s++) {
       const float ws = __shfl_sync(0xffffffffu, w, s);
-      if (ws > 0.0f) acc += ws * p.partial_out[((s * p.num_rows + row) * hq + head) * dv + c];
+      if (ws > 0.0f && c < dv) acc += ws * p.partial_out[((s * p.num_rows + row) * hq + head) * dv + c];
     }
+    if (c >= dv) continue;
     const float v = acc * norm;
     if (dtype_of<T>() == PKV_DTYPE_BF16)
       reinterpret_cast<uint16_t *>(dst)[c] = pkv_f32_to_bf16(v);
@@ -599,6 +620,15 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
+  if (a->sinks.defined) {
+    p.sinks = static_cast<const float *>(a->sinks.data);
+    p.sinks_stride = a->sinks.strides[0];
+  }
+  if (a->lse.defined) {
+    p.lse = static_cast<float *>(a->lse.data);
+    p.lse_stride_row = a->lse.strides[0];
+    p.lse_stride_head = a->lse.strides[1];
+  }
   if (p.num_rows == 0) return cudaSuccess;
   if (plan->num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
 

@@ -66,6 +66,13 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
 cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
                           float *partial_lse, cudaStream_t stream);
 
+/* ---- flash_attn_paged_sparse (validated args) ---- */
+pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err);
+cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t stream);
+
+/* ---- merge_attn_states (validated args; element-wise, any head size) ---- */
+cudaError_t pkv_cuda_merge(const pkv_merge_args *a, cudaStream_t stream);
+
 /* ---- debug: the shared-memory image of one K tile ----
  * Loads keys [first_key, first_key + rows) of (batch, kv_head) with `loader`
  * into the common tile layout, zeroes masked rows exactly as attention does

@@ -64,10 +64,11 @@ at::Tensor flash_attn_paged_cpu(const at::Tensor &q, const at::Tensor &input_row
                                 const at::Tensor &v_cache, const at::Tensor &cache_lengths,
                                 const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                 const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                                int64_t quant_group, int64_t window_left, double softcap) {
+                                int64_t quant_group, int64_t window_left, double softcap,
+                                const std::optional<at::Tensor> &sinks) {
   at::Tensor out = attn_output(q, v_cache);
   attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                     v_scales, quant_group, window_left, softcap, out));
+                     v_scales, quant_group, window_left, softcap, sinks, out));
   return out;
 }
 
@@ -75,9 +76,53 @@ void flash_attn_paged_out_cpu(const at::Tensor &q, const at::Tensor &input_row_o
                               const at::Tensor &v_cache, const at::Tensor &cache_lengths,
                               const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                               const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                              int64_t quant_group, int64_t window_left, double softcap, const at::Tensor &out) {
+                              int64_t quant_group, int64_t window_left, double softcap,
+                              const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
   attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                     v_scales, quant_group, window_left, softcap, out));
+                     v_scales, quant_group, window_left, softcap, sinks, out));
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cpu(
+    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache, const at::Tensor &v_cache,
+    const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+    const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales, int64_t quant_group,
+    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks) {
+  at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
+  attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                     v_scales, quant_group, window_left, softcap, sinks, out, lse));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attn_states_cpu(const at::Tensor &out_a, const at::Tensor &lse_a,
+                                                          const at::Tensor &out_b, const at::Tensor &lse_b) {
+  auto [out, lse] = merge_outputs(out_a);
+  pkv_merge_args a = merge_args(out_a, lse_a, out_b, lse_b, out, lse);
+  pkv_error err{};
+  raise_if_failed(pkv_merge_check(&a, &err), err);
+  at::parallel_for(0, pkv_merge_cpu_work(&a), grain_for(out_a.size(1) * out_a.size(2) * 12),
+                   [&](int64_t begin, int64_t end) { pkv_merge_cpu(&a, begin, end); });
+  return {out, lse};
+}
+
+at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                       const at::Tensor &indices, std::optional<double> scale,
+                                       const std::optional<at::Tensor> &k_scales,
+                                       const std::optional<at::Tensor> &v_scales, int64_t quant_group, double softcap,
+                                       const std::optional<at::Tensor> &sinks) {
+  at::Tensor out = attn_output(q, v_cache);
+  pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap, sinks,
+                                  out);
+  pkv_error err{};
+  raise_if_failed(pkv_sparse_check(&a, /*check_values=*/1, &err), err);
+  std::atomic<int> failed{0};
+  pkv_error item_err{};
+  // an item gathers up to K rows of K and V: a few of them per task
+  at::parallel_for(0, pkv_sparse_cpu_work(&a), 4, [&](int64_t begin, int64_t end) {
+    pkv_error local{};
+    if (pkv_sparse_cpu(&a, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+  });
+  TORCH_CHECK(failed.load() == 0, item_err.message);
+  return out;
 }
 
 }  // namespace
@@ -88,4 +133,7 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("paged_load", &pagedkv::paged_load_cpu);
   m.impl("flash_attn_paged", &pagedkv::flash_attn_paged_cpu);
   m.impl("flash_attn_paged.out", &pagedkv::flash_attn_paged_out_cpu);
+  m.impl("flash_attn_paged_lse", &pagedkv::flash_attn_paged_lse_cpu);
+  m.impl("merge_attn_states", &pagedkv::merge_attn_states_cpu);
+  m.impl("flash_attn_paged_sparse", &pagedkv::flash_attn_paged_sparse_cpu);
 }

@@ -124,11 +124,12 @@ at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_ro
                                  const at::Tensor &v_cache, const at::Tensor &cache_lengths,
                                  const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                  const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                                 int64_t quant_group, int64_t window_left, double softcap) {
+                                 int64_t quant_group, int64_t window_left, double softcap,
+                                 const std::optional<at::Tensor> &sinks) {
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = attn_output(q, v_cache);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                      v_scales, quant_group, window_left, softcap, out),
+                      v_scales, quant_group, window_left, softcap, sinks, out),
             q, input_row_offsets, cache_lengths, lookup_table);
   return out;
 }
@@ -138,11 +139,51 @@ void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_
                                const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                const std::optional<at::Tensor> &k_scales,
                                const std::optional<at::Tensor> &v_scales, int64_t quant_group, int64_t window_left,
-                               double softcap, const at::Tensor &out) {
+                               double softcap, const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
   c10::cuda::CUDAGuard guard(q.device());
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                      v_scales, quant_group, window_left, softcap, out),
+                      v_scales, quant_group, window_left, softcap, sinks, out),
             q, input_row_offsets, cache_lengths, lookup_table);
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
+    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache, const at::Tensor &v_cache,
+    const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+    const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales, int64_t quant_group,
+    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks) {
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
+  attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
+                      v_scales, quant_group, window_left, softcap, sinks, out, lse),
+            q, input_row_offsets, cache_lengths, lookup_table);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attn_states_cuda(const at::Tensor &out_a, const at::Tensor &lse_a,
+                                                           const at::Tensor &out_b, const at::Tensor &lse_b) {
+  c10::cuda::CUDAGuard guard(out_a.device());
+  auto [out, lse] = merge_outputs(out_a);
+  pkv_merge_args a = merge_args(out_a, lse_a, out_b, lse_b, out, lse);
+  pkv_error err{};
+  raise_if_failed(pkv_merge_check(&a, &err), err);
+  raise_cuda(pkv_cuda_merge(&a, c10::cuda::getCurrentCUDAStream()));
+  return {out, lse};
+}
+
+at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                        const at::Tensor &indices, std::optional<double> scale,
+                                        const std::optional<at::Tensor> &k_scales,
+                                        const std::optional<at::Tensor> &v_scales, int64_t quant_group,
+                                        double softcap, const std::optional<at::Tensor> &sinks) {
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = attn_output(q, v_cache);
+  pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
+                                  sinks, out);
+  check_args<pkv_sparse_args>(a, pkv_sparse_check, {{&pkv_sparse_args::indices, &indices}});
+  pkv_error err{};
+  raise_if_failed(pkv_cuda_sparse_supported(&a, &err), err);
+  raise_cuda(pkv_cuda_sparse(&a, c10::cuda::getCurrentCUDAStream()));
+  return out;
 }
 
 // The shared-memory image of one K tile as a loader writes it: uint8 [rows, row_bytes].
@@ -172,5 +213,8 @@ TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("paged_load", &pagedkv::paged_load_cuda);
   m.impl("flash_attn_paged", &pagedkv::flash_attn_paged_cuda);
   m.impl("flash_attn_paged.out", &pagedkv::flash_attn_paged_out_cuda);
+  m.impl("flash_attn_paged_lse", &pagedkv::flash_attn_paged_lse_cuda);
+  m.impl("merge_attn_states", &pagedkv::merge_attn_states_cuda);
+  m.impl("flash_attn_paged_sparse", &pagedkv::flash_attn_paged_sparse_cuda);
   m.impl("debug_load_tile", &pagedkv::debug_load_tile_cuda);
 }

@@ -29,12 +29,22 @@ TORCH_LIBRARY(pagedkv, m) {
       "flash_attn_paged(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "flash_attn_paged.out(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
-      "float softcap=0.0, *, Tensor(a!) out) -> ()");
+      "float softcap=0.0, Tensor? sinks=None, *, Tensor(a!) out) -> ()");
+  m.def(
+      "flash_attn_paged_lse(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
+      "float softcap=0.0, Tensor? sinks=None) -> (Tensor, Tensor)");
+  m.def("merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attn_paged_sparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor indices, float? scale=None, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, float softcap=0.0, "
+      "Tensor? sinks=None) -> Tensor");
   // The page manager's copy-on-write block copy (copy_pages.cpp; CPU and CUDA).
   m.def("copy_pages(Tensor(a!) pool, Tensor src_pages, Tensor dst_pages) -> ()");
   // The shared-memory image of one K tile as a CUDA loader writes it (ops_cuda.cpp; CUDA only).

@@ -43,7 +43,9 @@ inline pkv_attn_args attn_args(const at::Tensor &q, const at::Tensor &input_row_
                                const at::Tensor &v_cache, const at::Tensor &cache_lengths,
                                const at::Tensor &lookup_table, const std::optional<double> &scale, bool causal,
                                const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                               int64_t quant_group, int64_t window_left, double softcap, const at::Tensor &out) {
+                               int64_t quant_group, int64_t window_left, double softcap,
+                               const std::optional<at::Tensor> &sinks, const at::Tensor &out,
+                               const at::Tensor &lse = at::Tensor()) {
   pkv_attn_args a{};
   a.q = describe(q);
   a.input_row_offsets = describe(input_row_offsets);
@@ -59,6 +61,8 @@ inline pkv_attn_args attn_args(const at::Tensor &q, const at::Tensor &input_row_
   a.quant_group = quant_group;
   a.window_left = window_left;
   a.softcap = softcap;
+  a.sinks = describe(sinks);
+  a.lse = lse.defined() ? describe(lse) : pkv_tensor{};
   return a;
 }
 
@@ -67,6 +71,51 @@ inline pkv_attn_args attn_args(const at::Tensor &q, const at::Tensor &input_row_
 inline at::Tensor attn_output(const at::Tensor &q, const at::Tensor &v_cache) {
   if (q.dim() != 3 || v_cache.dim() != 4) return at::Tensor();
   return at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+}
+
+// The log-sum-exp of flash_attn_paged_lse: float32 [T, Hq] (undefined when q's shape is wrong).
+inline at::Tensor attn_lse(const at::Tensor &q) {
+  if (q.dim() != 3) return at::Tensor();
+  return at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+}
+
+inline pkv_merge_args merge_args(const at::Tensor &out_a, const at::Tensor &lse_a, const at::Tensor &out_b,
+                                 const at::Tensor &lse_b, const at::Tensor &out, const at::Tensor &lse) {
+  pkv_merge_args a{};
+  a.out_a = describe(out_a);
+  a.lse_a = describe(lse_a);
+  a.out_b = describe(out_b);
+  a.lse_b = describe(lse_b);
+  a.out = out.defined() ? describe(out) : pkv_tensor{};
+  a.lse = lse.defined() ? describe(lse) : pkv_tensor{};
+  return a;
+}
+
+inline pkv_sparse_args sparse_args(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                   const at::Tensor &indices, const std::optional<double> &scale,
+                                   const std::optional<at::Tensor> &k_scales,
+                                   const std::optional<at::Tensor> &v_scales, int64_t quant_group, double softcap,
+                                   const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
+  pkv_sparse_args a{};
+  a.q = describe(q);
+  a.k_cache = describe(k_cache);
+  a.v_cache = describe(v_cache);
+  a.indices = describe(indices);
+  a.k_scales = describe(k_scales);
+  a.v_scales = describe(v_scales);
+  a.sinks = describe(sinks);
+  a.out = out.defined() ? describe(out) : pkv_tensor{};
+  a.scale = resolve_scale(scale, q);
+  a.quant_group = quant_group;
+  a.softcap = softcap;
+  return a;
+}
+
+// Outputs of merge_attn_states: out_a's shape and dtype (contiguous) and float32 [T, H].
+inline std::tuple<at::Tensor, at::Tensor> merge_outputs(const at::Tensor &out_a) {
+  if (out_a.dim() != 3) return {at::Tensor(), at::Tensor()};
+  return {at::empty(out_a.sizes(), out_a.options()),
+          at::empty({out_a.size(0), out_a.size(1)}, out_a.options().dtype(at::kFloat))};
 }
 
 }  // namespace pagedkv

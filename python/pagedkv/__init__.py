@@ -18,7 +18,17 @@ from .cache import (  # noqa: E402
     PagedKVCacheFA3Fallback,
 )
 from .page_manager import OutOfPagesError, PageManager, copy_pages  # noqa: E402
-from .ops import checks_enabled, flash_attn_paged, paged_load, paged_store, set_checks  # noqa: E402
+from .ops import (  # noqa: E402
+    checks_enabled,
+    flash_attn_paged,
+    flash_attn_paged_lse,
+    flash_attn_paged_sparse,
+    merge_attn_states,
+    paged_load,
+    paged_store,
+    set_checks,
+)
+from .cascade import cascade_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -26,6 +36,10 @@ __all__ = [
     "paged_store",
     "paged_load",
     "flash_attn_paged",
+    "flash_attn_paged_lse",
+    "merge_attn_states",
+    "flash_attn_paged_sparse",
+    "cascade_attention",
     "set_checks",
     "checks_enabled",
     "reference",

@@ -279,11 +279,12 @@ class _PagedCacheBase:
         window_left=-1,
         softcap=0.0,
         v_head_dim=None,
+        sinks=None,
     ) -> torch.Tensor:
         """Attention of q [T, Hq, D] over `layer`; returns [T, Hq, Dv] in q's dtype.
 
         Call after `store` of this step's K/V. For K-only (MLA) caches V is the first
-        `v_head_dim` (default D) channels of K.
+        `v_head_dim` (default D) channels of K. `sinks` float32 [Hq]: attention sinks.
         """
         self._check_layer(layer)
         v_cache, v_scales = self._value_views(layer, v_head_dim)
@@ -301,6 +302,7 @@ class _PagedCacheBase:
             self.quant_group,
             window_left,
             softcap,
+            sinks,
         )
 
     def load(self, layer, lookup_table, seq_lens, *, which="k", out_dtype=None) -> torch.Tensor:

@@ -255,8 +255,11 @@ def attention_forward(
     positions get zeros (transformers never reads them). A keyword that would change the result
     and is not implemented (attention sinks, head masks, position biases, sparse indices, ...)
     raises NotImplementedError naming it; see ``_refuse_unsupported_keywords``."""
+    sinks = _pop_sinks(kwargs, query.size(1))
     _refuse_unsupported_keywords(kwargs)
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout)
+    if sinks is not None:
+        options["sinks"] = sinks
     step = getattr(_pending, "step", None)
     if step is not None and step[0] is key:
         _pending.step = None
@@ -288,8 +291,6 @@ _KEYWORDS_WITHOUT_EFFECT = frozenset({
 # Keywords that change the result, with the model feature they carry; pagedkv does not implement
 # them, so a call that gives one (not None / False) is refused instead of silently dropping it.
 _UNSUPPORTED_KEYWORDS = {
-    "s_aux": "attention sinks (per-head sink logits in the softmax denominator, e.g. gpt-oss)",
-    "sinks": "attention sinks (per-head sink logits in the softmax denominator)",
     "head_mask": "head masking (a per-head factor on the attention probabilities)",
     "position_bias": "an additive attention bias (e.g. T5-style relative position buckets)",
     "indices": "sparse attention over indexer-selected tokens (e.g. DeepSeek sparse attention)",
@@ -297,6 +298,28 @@ _UNSUPPORTED_KEYWORDS = {
     "block_table": "transformers' paged attention reading K/V through its block table",
     "output_attentions": "returning the attention weights (use attn_implementation='eager' for them)",
 }
+
+
+# Attention sinks: gpt-oss passes its per-head sink logits as s_aux (other models as sinks); they join
+# each head's softmax denominator, which is flash_attn_paged's `sinks`.
+_SINK_KEYWORDS = ("s_aux", "sinks")
+
+
+def _pop_sinks(kwargs: dict, num_q_heads: int):
+    """Removes the sink keywords from kwargs; returns the sinks as float32 [Hq] (or None)."""
+    given = {name: kwargs.pop(name) for name in _SINK_KEYWORDS if name in kwargs}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"pagedkv attention got attention sinks twice ({' and '.join(given)}); pass one")
+    name, sinks = next(iter(given.items()))
+    if not isinstance(sinks, torch.Tensor) or sinks.numel() != num_q_heads:
+        raise ValueError(
+            f"pagedkv attention: {name} (attention sinks) must be a tensor of one logit per query head "
+            f"({num_q_heads}), got {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}"
+        )
+    return sinks.detach().reshape(num_q_heads).to(torch.float32).contiguous()
 
 
 def _refuse_unsupported_keywords(kwargs: dict) -> None:

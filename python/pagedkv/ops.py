@@ -15,7 +15,16 @@ from . import _C  # noqa: F401  (loading the library registers torch.ops.pagedkv
 
 _ops = torch.ops.pagedkv
 
-__all__ = ["paged_store", "paged_load", "flash_attn_paged", "set_checks", "checks_enabled"]
+__all__ = [
+    "paged_store",
+    "paged_load",
+    "flash_attn_paged",
+    "flash_attn_paged_lse",
+    "merge_attn_states",
+    "flash_attn_paged_sparse",
+    "set_checks",
+    "checks_enabled",
+]
 
 
 def paged_store(
@@ -103,6 +112,7 @@ def flash_attn_paged(
     quant_group: int = 128,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
     *,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -111,15 +121,79 @@ def flash_attn_paged(
     q [T, Hq, D] float32/float16/bfloat16 -> [T, Hq, Dv] in q's dtype. Query row
     offsets[b] + i sits at position cache_lengths[b] + i; causal masking is bottom-right
     aligned, window_left >= 0 also hides keys before p - window_left, softcap > 0 applies
-    softcap * tanh(s / softcap). Queries that see no key and padding rows give zeros.
-    With out= the result is written into a preallocated tensor.
+    softcap * tanh(s / softcap). sinks float32 [Hq] (attention sinks, e.g. gpt-oss): exp(sinks[h])
+    joins head h's softmax denominator and adds no value. Queries that see no key and padding rows
+    give zeros. With out= the result is written into a preallocated tensor.
     """
     args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
-            k_scales, v_scales, quant_group, window_left, softcap)
+            k_scales, v_scales, quant_group, window_left, softcap, sinks)
     if out is None:
         return _ops.flash_attn_paged(*args)
     _ops.flash_attn_paged.out(*args, out=out)
     return out
+
+
+def flash_attn_paged_lse(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
+    quant_group: int = 128,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attn_paged` that also returns the log-sum-exp: `(out [T, Hq, Dv], lse [T, Hq] float32)`.
+
+    lse is the natural log of each row's softmax denominator over the scaled, soft-capped scores it
+    sees (the sink term included); -inf where a row sees no key and has no sink, and on padding rows.
+    Two results over disjoint key sets combine exactly with `merge_attn_states`.
+    """
+    return _ops.flash_attn_paged_lse(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale,
+                                     causal, k_scales, v_scales, quant_group, window_left, softcap, sinks)
+
+
+def merge_attn_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets into the attention over their union.
+
+    out_a/out_b [T, H, Dv] (same float dtype), lse_a/lse_b float32 [T, H] (as `flash_attn_paged_lse`
+    returns them). Returns `(out, lse)` with `lse = logaddexp(lse_a, lse_b)` and
+    `out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b`; a part whose lse is -inf saw no key and
+    contributes nothing; both -inf give zeros and -inf.
+    """
+    return _ops.merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+def flash_attn_paged_sparse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: Optional[float] = None,
+    k_scales: Optional[torch.Tensor] = None,
+    v_scales: Optional[torch.Tensor] = None,
+    quant_group: int = 128,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Sparse (top-k) attention over the paged cache: query row t attends only over the tokens it lists.
+
+    q [T, Hq, D]; indices int32 [T, Hk, K] (one list per KV head) or [T, 1, K] (shared by all heads), each
+    entry an encoded token `page * P + slot` or -1 (no token); duplicates count as listed; no causal mask
+    or window. A row with no token outputs zeros. K-only (MLA) caches: pass `v_cache=k_cache[..., :Dv]`.
+    Entries < -1 or >= N * P raise an index error (on CUDA when checks are on; skipped otherwise).
+    Returns [T, Hq, Dv] in q's dtype.
+    """
+    return _ops.flash_attn_paged_sparse(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group,
+                                        softcap, sinks)
 
 
 def set_checks(enabled: bool) -> None:
@@ -168,20 +242,49 @@ def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, 
     return None
 
 
-@torch.library.register_fake("pagedkv::flash_attn_paged")
-def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
-                           causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1, softcap=0.0):
+def _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales,
+                      sinks, out=None):
     _same_device("flash_attn_paged", "k_cache", k_cache, q=q, input_row_offsets=input_row_offsets,
                  v_cache=v_cache, cache_lengths=cache_lengths, lookup_table=lookup_table, k_scales=k_scales,
-                 v_scales=v_scales)
+                 v_scales=v_scales, sinks=sinks, out=out)
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged")
+def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
+                           causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1, softcap=0.0,
+                           sinks=None):
+    _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks)
     return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
 
 
 @torch.library.register_fake("pagedkv::flash_attn_paged.out")
 def _flash_attn_paged_out_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                                causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
-                               softcap=0.0, *, out):
-    _same_device("flash_attn_paged", "k_cache", k_cache, q=q, input_row_offsets=input_row_offsets,
-                 v_cache=v_cache, cache_lengths=cache_lengths, lookup_table=lookup_table, k_scales=k_scales,
-                 v_scales=v_scales, out=out)
+                               softcap=0.0, sinks=None, *, out):
+    _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks,
+                      out)
     return None
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged_lse")
+def _flash_attn_paged_lse_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
+                               causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
+                               softcap=0.0, sinks=None):
+    _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks)
+    return (q.new_empty((q.size(0), q.size(1), v_cache.size(-1))),
+            q.new_empty((q.size(0), q.size(1)), dtype=torch.float32))
+
+
+@torch.library.register_fake("pagedkv::merge_attn_states")
+def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
+    _same_device("merge_attn_states", "out_a", out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    return torch.empty_like(out_a, memory_format=torch.contiguous_format), lse_a.new_empty(
+        (out_a.size(0), out_a.size(1)), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagedkv::flash_attn_paged_sparse")
+def _flash_attn_paged_sparse_fake(q, k_cache, v_cache, indices, scale=None, k_scales=None, v_scales=None,
+                                  quant_group=128, softcap=0.0, sinks=None):
+    _same_device("flash_attn_paged_sparse", "k_cache", k_cache, q=q, v_cache=v_cache, indices=indices,
+                 k_scales=k_scales, v_scales=v_scales, sinks=sinks)
+    return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))

@@ -26,6 +26,9 @@ __all__ = [
     "paged_store",
     "paged_load",
     "flash_attn_paged",
+    "flash_attn_paged_lse",
+    "merge_attn_states",
+    "flash_attn_paged_sparse",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -272,19 +275,70 @@ def flash_attn_paged(
     quant_group: int = 128,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Attention of ragged queries over paged K/V; returns `[T, Hq, Dv]` in q's dtype.
 
     q [T, Hq, D], input_row_offsets int32 [B+1], k_cache [N, P, Hk, D], v_cache [N, P, Hk, Dv],
     cache_lengths int32 [B] (tokens before this step; the step's own K/V are already stored),
-    lookup_table int32 [B, max_pages].
+    lookup_table int32 [B, max_pages], sinks float32 [Hq] or None.
 
     Query row `offsets[b] + i` sits at `p = cache_lengths[b] + i` and, when causal, sees key j iff
     `j <= p` (and `j >= p - window_left` when window_left >= 0). Scores are `scale * q.k`
     (scale defaults to 1/sqrt(D)), soft-capped as `softcap * tanh(s / softcap)` when softcap > 0.
+    A sink logit `sinks[h]` adds `exp(sinks[h])` to head h's softmax denominator and no value.
     Everything is computed in `compute_dtype`. Rows seeing no key and padding rows give zeros.
     """
+    out, _ = flash_attn_paged_lse(
+        q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
+        k_scales, v_scales, quant_group, window_left, softcap, sinks, compute_dtype=compute_dtype,
+    )
+    return out
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor | None):
+    """Probabilities and log-sum-exp of `scores [..., K]` (-inf: hidden), a sink logit `[...]` joining
+    the denominator. Returns `(probs [..., K], lse [...])`; a row with no visible key and no sink has
+    zero probabilities and lse -inf; with a sink its lse is the sink."""
+    row_max = scores.amax(dim=-1)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max.unsqueeze(-1))
+    denom = weights.sum(dim=-1)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
+    probs = torch.where(
+        denom.unsqueeze(-1) > 0, weights / denom.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(weights)
+    )
+    return probs, row_max + torch.log(denom)
+
+
+def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
+def flash_attn_paged_lse(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    quant_group: int = 128,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+):
+    """`flash_attn_paged` that also returns `lse [T, Hq]` float32: the natural log of each row's
+    softmax denominator (sink included), -inf where a row sees no key and has no sink, and on
+    padding rows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -295,6 +349,8 @@ def flash_attn_paged(
     out = torch.zeros(
         (num_tokens, num_q_heads, v_cache.shape[-1]), dtype=compute_dtype, device=q.device
     )
+    lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=compute_dtype, device=q.device)
+    sink = None if sinks is None else sinks.to(compute_dtype).view(num_q_heads, 1)
     lengths = _to_list(cache_lengths)
     for b, (start, end) in enumerate(_row_spans(input_row_offsets)):
         num_new = end - start
@@ -325,14 +381,76 @@ def flash_attn_paged(
         keys = keys.masked_fill(never_visible[None, :, None], 0)
         values = values.masked_fill(never_visible[None, :, None], 0)
         queries = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
-        scores = scale * (queries @ keys.transpose(1, 2))  # [Hq, n, num_keys]
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
+        scores = _softcapped(scale * (queries @ keys.transpose(1, 2)), softcap)  # [Hq, n, num_keys]
         scores = scores.masked_fill(~visible, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        weights = torch.exp(scores - row_max)
-        denom = weights.sum(dim=-1, keepdim=True)
-        probs = torch.where(denom > 0, weights / denom.clamp_min(1e-300), torch.zeros_like(weights))
+        probs, row_lse = _softmax_with_sink(scores, None if sink is None else sink.expand(-1, num_new))
         out[start:end] = (probs @ values).transpose(0, 1)
+        lse[start:end] = row_lse.transpose(0, 1)
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b, compute_dtype: torch.dtype = torch.float64):
+    """Combine two partial attentions over disjoint key sets: `out [T, H, Dv]`, `lse [T, H]`.
+
+    `lse = logaddexp(lse_a, lse_b)`, `out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b`; where both
+    parts are -inf the result is `lse = -inf`, `out = 0`; a part with weight 0 never contributes (not even
+    a NaN of its out). Returns `(out in out_a's dtype, lse float32)`.
+    """
+    la, lb = lse_a.to(compute_dtype), lse_b.to(compute_dtype)
+    lse = torch.logaddexp(la, lb)
+    empty = lse == float("-inf")
+    safe = torch.where(empty, torch.zeros_like(lse), lse)
+    wa = torch.where(empty, torch.zeros_like(lse), torch.exp(la - safe)).unsqueeze(-1)
+    wb = torch.where(empty, torch.zeros_like(lse), torch.exp(lb - safe)).unsqueeze(-1)
+    # a part with weight 0 saw no key: its out is meaningless (maybe never written) and is left out
+    part_a = torch.where(wa != 0, wa * out_a.to(compute_dtype), torch.zeros((), dtype=compute_dtype))
+    part_b = torch.where(wb != 0, wb * out_b.to(compute_dtype), torch.zeros((), dtype=compute_dtype))
+    return (part_a + part_b).to(out_a.dtype), lse.to(torch.float32)
+
+
+def flash_attn_paged_sparse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    quant_group: int = 128,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Attention of each query row over the tokens it lists: `q [T, Hq, D]`, `indices [T, Hk or 1, K]`
+    int32, each entry an encoded token `page * P + slot` or -1 (no token). Query head h reads the list
+    of KV head `h // (Hq // Hk)` (or the shared list). No mask besides the list; duplicates count as
+    listed. A row with no token outputs zeros. Returns `[T, Hq, Dv]` in q's dtype."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads = k_cache.shape[:3]
+    group_size = num_q_heads // num_kv_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    flat = indices.to(torch.int64)
+    bad = (flat < -1) | (flat >= num_pages * page_size)
+    if bool(bad.any()):
+        raise ValueError(f"indices must be -1 or in [0, {num_pages * page_size}), got {int(flat[bad][0])}")
+    out = torch.zeros((num_tokens, num_q_heads, v_cache.shape[-1]), dtype=compute_dtype, device=q.device)
+    for t in range(num_tokens):
+        for h in range(num_q_heads):
+            kv = h // group_size
+            listed = flat[t, kv if flat.shape[1] == num_kv_heads else 0]
+            listed = listed[listed >= 0]
+            if listed.numel() == 0:
+                continue
+            pages, slots = listed // page_size, listed % page_size
+            keys = k_cache[pages, slots, kv].to(compute_dtype)
+            values = v_cache[pages, slots, kv].to(compute_dtype)
+            if is_fp8(k_cache.dtype):
+                keys = dequantize_fp8(k_cache[pages, slots, kv], k_scales[pages, slots, kv], quant_group, compute_dtype)
+            if is_fp8(v_cache.dtype):
+                values = dequantize_fp8(v_cache[pages, slots, kv], v_scales[pages, slots, kv], quant_group, compute_dtype)
+            scores = _softcapped(scale * (keys @ q[t, h].to(compute_dtype)), softcap)
+            sink = None if sinks is None else sinks[h].to(compute_dtype)
+            probs, _ = _softmax_with_sink(scores, sink)
+            out[t, h] = probs @ values
     return out.to(q.dtype)

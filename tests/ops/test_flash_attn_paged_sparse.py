@@ -1,0 +1,188 @@
+"""flash_attn_paged_sparse (top-k attention over listed tokens) against the reference.
+
+Grid: every cache dtype, half and full precision queries, one list per KV head or one shared list, GQA,
+softcap, sinks, duplicates and -1 entries, rows that list nothing, the four layouts, and K-only (MLA)
+caches with V as the first 512 columns of K. scripts/test.sh also runs this file on every CPU kernel path.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import pagedkv
+from conftest import (
+    CACHE_DTYPES,
+    DEVICES,
+    FP8_DTYPES,
+    LAYOUTS,
+    assert_attention_close,
+    assert_bytes_equal,
+    dtype_name,
+    generator,
+    make_paged_kv,
+    randn,
+    seed_from,
+)
+from pagedkv import reference as ref
+
+NUM_KV_HEADS = 2
+TOKENS = 5
+
+
+def random_indices(gen, num_tokens, lists, listed, num_tokens_in_pool, device):
+    """[T, lists, K] encoded tokens with duplicates and -1 entries; the last row lists nothing."""
+    ix = torch.randint(0, num_tokens_in_pool, (num_tokens, lists, listed), generator=gen, dtype=torch.int32)
+    ix[:, :, 0] = ix[:, :, 1]  # a duplicate in every list
+    holes = torch.rand((num_tokens, lists, listed), generator=gen) < 0.2
+    ix[holes] = -1
+    ix[-1] = -1
+    return ix.to(device)
+
+
+def fill_pool(gen, kv):
+    """Random values in every slot of the pool (quantized with scales for FP8)."""
+    k, v, ks, vs = kv.views
+    n, p = k.shape[0], k.shape[1]
+    keys = randn(gen, (n * p, k.shape[2], k.shape[3]))
+    values = None if v is None else randn(gen, (n * p, v.shape[2], v.shape[3]))
+    table = torch.arange(n, dtype=torch.int32, device=k.device).view(1, n)
+    offsets = torch.tensor([0, n * p], dtype=torch.int32, device=k.device)
+    zero = torch.zeros(1, dtype=torch.int32, device=k.device)
+    ref.paged_store(keys.to(k.device), None if values is None else values.to(k.device), k, v, offsets, zero, table,
+                    ks, vs, kv.quant_group)
+
+
+CASES = [
+    dict(q_dtype=q, cache_dtype=c, layout=layout, gqa=gqa, shared=shared, softcap=cap, sinks=sinks)
+    for (q, c), layout, gqa, shared, cap, sinks in itertools.product(
+        [(torch.float32, c) for c in CACHE_DTYPES] + [(torch.bfloat16, torch.bfloat16)],
+        ["separate"], [4], [False, True], [0.0], [False],
+    )
+] + [
+    dict(q_dtype=torch.float32, cache_dtype=torch.bfloat16, layout=layout, gqa=gqa, shared=False, softcap=cap,
+         sinks=sinks)
+    for layout, gqa, (cap, sinks) in itertools.product(
+        [lay for lay in LAYOUTS if lay != "continuous"], [1, 4], [(0.0, True), (2.0, False), (2.0, True)]
+    )
+]
+
+
+def case_name(case):
+    return "-".join(f"{k}={dtype_name(v) if isinstance(v, torch.dtype) else v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=case_name)
+def test_sparse_matches_reference(device, case):
+    gen = generator(seed_from("sparse", case_name(case)))
+    kv = make_paged_kv(case["layout"], num_pages=9, page_size=8, num_kv_heads=NUM_KV_HEADS, head_dim=64,
+                       dtype=case["cache_dtype"], quant_group=32, device=device)
+    fill_pool(gen, kv)
+    hq = NUM_KV_HEADS * case["gqa"]
+    q = randn(gen, (TOKENS, hq, 64), case["q_dtype"], device)
+    indices = random_indices(gen, TOKENS, 1 if case["shared"] else NUM_KV_HEADS, 23, 9 * 8, device)
+    sinks = randn(gen, (hq,), torch.float32, device, scale=2.0) if case["sinks"] else None
+    args = (q, kv.k_cache, kv.v_cache, indices, None, kv.k_scales, kv.v_scales, 32, case["softcap"], sinks)
+    before = kv.snapshot()
+    out = pagedkv.flash_attn_paged_sparse(*args)
+    expected = ref.flash_attn_paged_sparse(q.double(), *args[1:])
+    assert_attention_close(out, expected, case["q_dtype"], case_name(case))
+    assert (out[-1] == 0).all(), "a row that lists no token outputs zeros"
+    for name, base in before.items():
+        assert_bytes_equal(kv.bases[name], base, f"cache {name} after a read-only op")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_sparse_k_only_mla(device, cache_dtype):
+    """MLA: one 576-wide latent cache; V is its first 512 columns (a view, no copy)."""
+    gen = generator(seed_from("mla", dtype_name(cache_dtype)))
+    kv = make_paged_kv("separate", num_pages=6, page_size=16, num_kv_heads=1, head_dim=576, dtype=cache_dtype,
+                       quant_group=128, k_only=True, device=device)
+    fill_pool(gen, kv)
+    k_scales = kv.k_scales
+    v_cache = kv.k_cache[..., :512]
+    v_scales = None if k_scales is None else k_scales[..., :4]
+    q = randn(gen, (3, 8, 576), torch.bfloat16, device)
+    indices = random_indices(gen, 3, 1, 40, 6 * 16, device)
+    args = (q, kv.k_cache, v_cache, indices, 0.05, k_scales, v_scales, 128)
+    out = pagedkv.flash_attn_paged_sparse(*args)
+    expected = ref.flash_attn_paged_sparse(q.double(), *args[1:])
+    assert out.shape == (3, 8, 512)
+    assert_attention_close(out, expected, torch.bfloat16, "MLA sparse")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_equals_dense_over_the_same_tokens(device):
+    """Listing every token of a row's pages in any order equals non-causal flash_attn_paged over them."""
+    gen = generator(9)
+    kv = make_paged_kv("collection", num_pages=6, page_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                       device=device)
+    fill_pool(gen, kv)
+    pages = torch.tensor([[4, 1, 3]], dtype=torch.int32, device=device)
+    tokens = (pages[0].long().view(-1, 1) * 4 + torch.arange(4, device=device)).flatten()
+    order = torch.randperm(tokens.numel(), generator=gen).to(device)
+    q = randn(gen, (1, 4, 32), torch.float32, device)
+    sparse = pagedkv.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, tokens[order].view(1, 1, -1).to(torch.int32))
+    dense = pagedkv.flash_attn_paged(q, torch.tensor([0, 1], dtype=torch.int32, device=device), kv.k_cache,
+                                     kv.v_cache, torch.tensor([11], dtype=torch.int32, device=device), pages,
+                                     causal=False)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def small(device="cpu"):
+    gen = generator(2)
+    kv = make_paged_kv("separate", num_pages=4, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16,
+                       device=device)
+    fill_pool(gen, kv)
+    q = randn(gen, (3, 4, 16), torch.float32, device)
+    return kv, q
+
+
+@pytest.mark.parametrize(
+    "indices,match",
+    [
+        (torch.zeros(3, 2, 5, dtype=torch.int64), "indices must be int32, got int64"),
+        (torch.zeros(3, 5, dtype=torch.int32), "indices must be 3-D"),
+        (torch.zeros(2, 2, 5, dtype=torch.int32), r"indices.size\(0\) must be 3 \(T of q\)"),
+        (torch.zeros(3, 3, 5, dtype=torch.int32), r"indices.size\(1\) must be 2 \(Hk"),
+        (torch.tensor([0, 16, 1], dtype=torch.int32).view(3, 1, 1), r"indices\[1, 0, 0\] must be -1 .* \[0, 16\)"),
+        (torch.tensor([0, 1, -2], dtype=torch.int32).view(3, 1, 1), r"indices\[2, 0, 0\] .* got -2"),
+    ],
+)
+def test_bad_indices_name_the_argument(indices, match):
+    kv, q = small()
+    before = kv.snapshot()
+    with pytest.raises(RuntimeError, match=match):
+        pagedkv.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, indices)
+    for name, base in before.items():
+        assert_bytes_equal(kv.bases[name], base, name)
+
+
+FP8_OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_opcheck_and_compile(device):
+    kv, q = small(device)
+    indices = torch.tensor([[[0, 5, -1], [3, 3, 15]]] * 3, dtype=torch.int32, device=device)
+    sinks = torch.randn(4, device=device)
+    args = (q, kv.k_cache, kv.v_cache, indices, 0.3, None, None, 128, 1.5, sinks)
+    torch.library.opcheck(torch.ops.pagedkv.flash_attn_paged_sparse.default, args)
+    compiled = torch.compile(lambda *a: pagedkv.flash_attn_paged_sparse(*a) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), pagedkv.flash_attn_paged_sparse(*args) * 2)
+
+
+def test_fp8_opcheck():
+    gen = generator(4)
+    kv = make_paged_kv("separate", num_pages=4, page_size=4, num_kv_heads=2, head_dim=16,
+                       dtype=FP8_DTYPES[0], quant_group=8)
+    fill_pool(gen, kv)
+    q = randn(gen, (2, 4, 16), torch.float32)
+    indices = torch.tensor([[[0, 5]], [[9, -1]]], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.pagedkv.flash_attn_paged_sparse.default,
+                          (q, kv.k_cache, kv.v_cache, indices, None, kv.k_scales, kv.v_scales, 8),
+                          test_utils=FP8_OPCHECK_UTILS)

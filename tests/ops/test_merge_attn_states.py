@@ -1,0 +1,91 @@
+"""merge_attn_states on every device against pagedkv.reference: random parts, -inf parts (a part that
+saw no key is ignored, even a NaN one), one part dominating, strided inputs, every float dtype;
+errors that name the argument; opcheck.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+import pagedkv
+from conftest import (
+    DEVICES,
+    FLOAT_DTYPES,
+    assert_lse_close,
+    dtype_name,
+    generator,
+    randn,
+    seed_from,
+)
+from pagedkv import reference as ref
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_with_parts_that_saw_no_key(device):
+    """A part with lse -inf saw no key: its out is ignored even when it holds NaN (never written);
+    two such parts give zeros and -inf."""
+    gen = generator(1)
+    out = randn(gen, (3, 2, 8), torch.float32, device)
+    empty_out = torch.full_like(out, float("nan"))
+    lse = randn(gen, (3, 2), torch.float32, device)
+    empty_lse = torch.full_like(lse, float("-inf"))
+    merged, merged_lse = pagedkv.merge_attn_states(out, lse, empty_out, empty_lse)
+    assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
+    merged, merged_lse = pagedkv.merge_attn_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert (merged == 0).all() and torch.equal(merged_lse, empty_lse)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
+def test_merge_matches_reference(device, dtype):
+    gen = generator(seed_from("merge", dtype_name(dtype)))
+    tokens, heads, dv = 7, 3, 40
+    out_a = randn(gen, (tokens, heads, dv), dtype, device)
+    # a strided view of a fused tensor, as a kernel's output slice would be
+    out_b = randn(gen, (tokens, heads + 2, dv + 8), dtype, device)[:, 1 : heads + 1, :dv]
+    lse_a = randn(gen, (tokens, heads), torch.float32, device, scale=4.0)
+    lse_b = randn(gen, (tokens, heads + 1), torch.float32, device, scale=4.0)[:, :heads]
+    lse_a[0, 0] = float("-inf")
+    lse_b[1, 1] = float("-inf")
+    lse_a[2, 2] = lse_b[2, 2] = float("-inf")
+    lse_a[3, 0], lse_b[3, 0] = 60.0, -60.0  # one part dominates
+    out, lse = pagedkv.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    expected, expected_lse = ref.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == dtype and out.is_contiguous()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected.double(), rtol=tol, atol=tol)
+    assert_lse_close(lse, expected_lse.double().float(), torch.float32, "merge lse")
+    assert (out[2, 2] == 0).all()
+
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(out_b=torch.zeros(5, 2, 8)), r"out_b.size\(0\) must be 4"),
+        (dict(out_b=torch.zeros(4, 2, 8, dtype=torch.float16)), "out_b must have out_a's dtype float32"),
+        (dict(lse_a=torch.zeros(4, 2, dtype=torch.float16)), "lse_a must be float32"),
+        (dict(lse_b=torch.zeros(4, 3)), r"lse_b.size\(1\) must be 2"),
+        (dict(out_a=torch.zeros(4, 2, 8, dtype=torch.int32)), "out_a must be float32, float16 or bfloat16"),
+        (dict(out_a=torch.zeros(4, 16)[:, ::2].reshape(4, 2, 4).expand(4, 2, 4).transpose(1, 2)),
+         r"out_a must have stride\(-1\) == 1"),
+        (dict(lse_a=torch.zeros(4, 2, device="meta")), "lse_a must be on the same device as out_a"),
+    ],
+)
+def test_bad_merge_arguments_name_the_argument(change, match):
+    parts = dict(out_a=torch.zeros(4, 2, 8), lse_a=torch.zeros(4, 2), out_b=torch.zeros(4, 2, 8),
+                 lse_b=torch.zeros(4, 2))
+    parts.update(change)
+    with pytest.raises(RuntimeError, match=match):
+        pagedkv.merge_attn_states(parts["out_a"], parts["lse_a"], parts["out_b"], parts["lse_b"])
+
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_opcheck(device):
+    gen = generator(12)
+    out = randn(gen, (5, 3, 16), torch.bfloat16, device)
+    lse = randn(gen, (5, 3), torch.float32, device)
+    torch.library.opcheck(torch.ops.pagedkv.merge_attn_states.default, (out, lse, out * 2, lse - 1))
