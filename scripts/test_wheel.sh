@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Wheel stage of scripts/test.sh: build the CPU wheel with one command (reusing build/, so after
-# scripts/install.sh only the link and the packaging run), check that its metadata pins the torch it
-# was built against, install it with exactly that torch into a fresh venv, and run
-# scripts/wheel_smoke.py there from a folder outside the source tree with no compiler on PATH (gcc,
-# cc, c++, nvcc): the three ops against pagedkv.reference and a tiny random Llama through transformers.
+# Wheel stage of scripts/test.sh: build the CPU wheel with one command (reusing the extension's
+# objects that scripts/install.sh left in build/: the C core, the link and the packaging run), check
+# that its metadata pins the torch it was built against, install it with exactly that torch into a
+# fresh venv, and run scripts/wheel_smoke.py there from a folder outside the source tree with no
+# compiler on PATH (gcc, cc, c++, g++, nvcc): the three ops against pagedkv.reference and a tiny
+# random Llama through transformers.
 # Environment: PYTHON (default python3), PAGEDKV_WHEEL_TRANSFORMERS (default transformers==5.24.0;
 # empty skips the transformers part), KEEP_WHEEL_DIR=1 keeps the temporary folder.
 set -euo pipefail
