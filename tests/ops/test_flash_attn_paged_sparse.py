@@ -2,7 +2,7 @@
 
 Grid: every cache dtype, half and full precision queries, one list per KV head or one shared list, GQA,
 softcap, sinks, duplicates and -1 entries, rows that list nothing, the four layouts, and K-only (MLA)
-caches with V as the first 512 columns of K. scripts/test.sh also runs this file on every CPU kernel path.
+caches with V as the first 512 columns of K. scripts/test.sh reruns the `per_isa` tests on every other CPU kernel path.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def case_name(case):
     return "-".join(f"{k}={dtype_name(v) if isinstance(v, torch.dtype) else v}" for k, v in case.items())
 
 
+@pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=case_name)
 def test_sparse_matches_reference(device, case):
@@ -95,6 +96,7 @@ def test_sparse_matches_reference(device, case):
         assert_bytes_equal(kv.bases[name], base, f"cache {name} after a read-only op")
 
 
+@pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
 def test_sparse_k_only_mla(device, cache_dtype):
