@@ -2,7 +2,8 @@
 
 Grid: every cache dtype, half and full precision queries, one list per KV head or one shared list, GQA,
 softcap, sinks, duplicates and -1 entries, rows that list nothing, the four layouts, and K-only (MLA)
-caches with V as the first 512 columns of K. scripts/test.sh reruns the `per_isa` tests on every other CPU kernel path.
+caches with V as the first 512 columns of K. scripts/test.sh reruns the `per_isa` tests on every
+other CPU kernel path.
 """
 
 from __future__ import annotations
