@@ -4,6 +4,8 @@
 // cache view fits), the tensor maps of the TMA loaders, and how many KV
 // splits a decode-like call needs to fill the SMs. The kernel and its
 // launcher are in flash_attn_paged.cu.
+#include <cstdlib>
+
 #include "flash_attn.cuh"
 
 namespace pkv {
@@ -134,12 +136,17 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   const int64_t max_key_tiles =
       (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
   int64_t splits = 1;
-  if (ctas < sms) {
-    splits = (2 * (int64_t)sms + ctas - 1) / ctas;
-    if (splits > max_key_tiles) splits = max_key_tiles;
-    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
-    if (splits < 1) splits = 1;
+  if (ctas < sms) splits = (2 * (int64_t)sms + ctas - 1) / ctas;
+  // PAGEDKV_CUDA_SPLITS=n forces n splits (1: none), for tests: the rule above spreads keys so
+  // thin that a CTA rarely runs more than two key tiles, which leaves the pipeline's buffer reuse
+  // and barrier parity flips untested. Read per call (a getenv, no lock), so a test can set it.
+  if (const char *forced = std::getenv("PAGEDKV_CUDA_SPLITS")) {
+    const long n = std::strtol(forced, nullptr, 10);
+    if (n >= 1) splits = n;
   }
+  if (splits > max_key_tiles) splits = max_key_tiles;
+  if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
+  if (splits < 1) splits = 1;
   plan->device = device;
   plan->num_sms = sms;
   plan->loader = loader;

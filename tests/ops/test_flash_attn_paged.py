@@ -421,6 +421,26 @@ def test_flash_attn_paged_cuda_each_loader_matches(loader, page_size, cache_dtyp
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_one_split_many_tiles(monkeypatch, loader, page_size, head_dim, cache_dtype):
+    """PAGEDKV_CUDA_SPLITS=1: every CTA runs all its keys, >= 4 key tiles here (decode over 1000+ keys,
+    a causal prefill chunk of 70 rows after 300 keys), so the pipeline's buffer reuse, FP8 conversion
+    buffers and barrier parity flips run, with every loader that fits."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", "1")
+    _C.set_cuda_loader(loader)
+    try:
+        attend("cuda", [(1100, 1), (300, 70), (777, 1)], page_size=page_size, head_dim=head_dim,
+               cache_dtype=cache_dtype, q_heads=8, seed=("one split", loader, page_size, head_dim, str(cache_dtype)))
+    except RuntimeError as e:  # this page size does not fit the TMA loader
+        assert "does not fit" in str(e)
+
+
+@CUDA_ONLY
 def test_flash_attn_paged_cuda_unsupported_raises():
     gen = generator(seed_from("unsupported"))
     for head_dim, q_dtype in [(128, torch.float32), (80, torch.bfloat16)]:
