@@ -5,10 +5,67 @@
 // splits a decode-like call needs to fill the SMs. The kernel and its
 // launcher are in flash_attn_paged.cu.
 #include <cstdlib>
+#include <mutex>
 
 #include "flash_attn.cuh"
 
 namespace pkv {
+namespace {
+
+// What the plan needs from a device: its compute capability, SM count and
+// which loaders were compiled for it. None of it changes while the process
+// runs, and querying it (device count, attributes, cudaFuncGetAttributes
+// under a device switch) cost tens of microseconds of host time on every
+// decode step, so it is read once per device.
+struct DeviceInfo {
+  bool present = false;  // a device with this index exists and answered
+  int major = 0, sms = 0;
+  bool loader_ok[PKV_LOADER_COUNT] = {};
+};
+
+bool loader_runs(pkv_loader loader, int major, int ptx) {
+  switch (loader) {
+  case PKV_LOADER_CP_ASYNC: return major >= 8 && ptx >= 80;
+  case PKV_LOADER_TMA_PAGES: return major == 9 && ptx >= 90 && ptx < 100;
+  case PKV_LOADER_TMA_GATHER4: return major == 10 && ptx >= 100;
+  default: return false;
+  }
+}
+
+DeviceInfo query_device(int device) {
+  DeviceInfo info;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count ||
+      cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return DeviceInfo{};
+  }
+  info.present = true;
+  // cudaFuncGetAttributes answers for the current device: switch to it for
+  // the probe and back, so the caller's current device is untouched.
+  int previous = 0;
+  cudaGetDevice(&previous);
+  if (previous != device) cudaSetDevice(device);
+  for (int l = 0; l < PKV_LOADER_COUNT; l++) {
+    const pkv_loader loader = static_cast<pkv_loader>(l);
+    info.loader_ok[l] = loader_runs(loader, info.major, loader_kernel_ptx_version(loader));
+  }
+  if (previous != device) cudaSetDevice(previous);
+  return info;
+}
+
+constexpr int kCachedDevices = 64;  // device indices past this are queried on every call
+DeviceInfo g_device_info[kCachedDevices];
+std::once_flag g_device_once[kCachedDevices];
+
+DeviceInfo device_info(int device) {
+  if (device < 0 || device >= kCachedDevices) return query_device(device);
+  std::call_once(g_device_once[device], [device] { g_device_info[device] = query_device(device); });
+  return g_device_info[device];
+}
+
+}  // namespace
 
 bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v) {
   switch (loader) {
@@ -49,24 +106,8 @@ const char *pkv_loader_name(pkv_loader loader) {
 }
 
 int pkv_cuda_loader_available(int device, pkv_loader loader) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  if (previous != device) cudaSetDevice(device);
-  const int ptx = pkv::loader_kernel_ptx_version(loader);
-  if (previous != device) cudaSetDevice(previous);
-  switch (loader) {
-  case PKV_LOADER_CP_ASYNC: return major >= 8 && ptx >= 80;
-  case PKV_LOADER_TMA_PAGES: return major == 9 && ptx >= 90 && ptx < 100;
-  case PKV_LOADER_TMA_GATHER4: return major == 10 && ptx >= 100;
-  default: return 0;
-  }
+  if (loader < 0 || loader >= PKV_LOADER_COUNT) return 0;
+  return pkv::device_info(device).loader_ok[loader] ? 1 : 0;
 }
 
 pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
@@ -96,12 +137,9 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: more than 2^30 query rows are not supported on CUDA", op);
 
   pkv_cache_view k = pkv_cache_view_from(&a->k_cache), v = pkv_cache_view_from(&a->v_cache);
-  int major = 0, sms = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: cannot query CUDA device %d", op, device);
-  }
+  const pkv::DeviceInfo info = pkv::device_info(device);
+  if (!info.present) return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: cannot query CUDA device %d", op, device);
+  const int major = info.major, sms = info.sms;
   if (major < 8)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
                     op, major);

@@ -47,11 +47,31 @@ std::mutex g_map_mutex;
 MapEntry g_maps[kMapCacheSize];
 int g_map_count = 0, g_map_next = 0;
 
+// Each thread also keeps the maps it used last (a decode step asks for the
+// same K and V maps of every layer again), so the common hit takes no lock.
+constexpr int kThreadMapCacheSize = 8;
+thread_local MapEntry t_maps[kThreadMapCacheSize];
+thread_local int t_map_count = 0, t_map_next = 0;
+
+void remember_in_thread(const MapKey &key, const CUtensorMap &map) {
+  MapEntry &slot = t_maps[t_map_next];
+  slot.key = key;
+  slot.map = map;
+  t_map_next = (t_map_next + 1) % kThreadMapCacheSize;
+  if (t_map_count < kThreadMapCacheSize) t_map_count++;
+}
+
 cudaError_t encode_cached(CUtensorMap *out, const MapKey &key) {
+  for (int i = 0; i < t_map_count; i++)
+    if (t_maps[i].key == key) {
+      *out = t_maps[i].map;
+      return cudaSuccess;
+    }
   std::lock_guard<std::mutex> lock(g_map_mutex);
   for (int i = 0; i < g_map_count; i++)
     if (g_maps[i].key == key) {
       *out = g_maps[i].map;
+      remember_in_thread(key, *out);
       return cudaSuccess;
     }
   PFN_cuTensorMapEncodeTiled_v12000 enc = encode_fn();
@@ -69,6 +89,7 @@ cudaError_t encode_cached(CUtensorMap *out, const MapKey &key) {
   g_map_next = (g_map_next + 1) % kMapCacheSize;
   if (g_map_count < kMapCacheSize) g_map_count++;
   *out = map;
+  remember_in_thread(key, map);
   return cudaSuccess;
 }
 
