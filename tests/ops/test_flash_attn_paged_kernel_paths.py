@@ -3,12 +3,8 @@ paths: decode, prefill and chunked prefill, window and softcap, layouts, FP8 gro
 decode; then what only CUDA has: each K/V loader (cp.async, TMA pages, TMA gather4), one split over
 many key tiles, CUDA graph replay, the shared-memory tile image, the host checks.
 
-Attention is compared with the float64 reference within conftest.attention_tolerance: 1e-5
-(float32 queries) or 2e-2 (float16/bfloat16 queries) per-row relative L2 error; rows the reference
-zeroes (no visible key, padding) must be exactly zero. The CUDA kernels run the same grids at the
-same tolerance (16-bit queries only: float32 queries and head sizes outside 64/96/128/256 are not
-implemented there and skip, see conftest.supported_or_skip). Caches start as NaN, so a read of an
-unused slot, page or neighbouring layer shows up as a non-finite output.
+Tolerances (conftest.attention_tolerance) and the CUDA skips (conftest.supported_or_skip) are those
+of test_flash_attn_paged.py.
 """
 
 from __future__ import annotations
