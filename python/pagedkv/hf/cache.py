@@ -15,12 +15,6 @@ from .compat import IMPLEMENTATION, check_transformers_version
 POOL_GROWTH = 2
 
 
-
-# --------------------------------------------------------------------------------------------
-# PagedCache: a transformers Cache whose K/V live in pagedkv pages
-# --------------------------------------------------------------------------------------------
-
-
 def _transformers_cache_classes():
     check_transformers_version()
     from transformers.cache_utils import Cache, CacheLayerMixin

@@ -14,10 +14,6 @@ from ..serving import ContinuousBatchingServer, ProgressBar, Request, page_manag
 from .cache import PagedCache, _model_dims, _RaggedStep, _text_config
 from .compat import IMPLEMENTATION
 
-# --------------------------------------------------------------------------------------------
-# Continuous batching: pagedkv's server over a transformers model
-# --------------------------------------------------------------------------------------------
-
 
 def _cache_argument(model) -> str:
     """The name this transformers version's forward takes the cache under."""
