@@ -29,8 +29,8 @@ def run_case(T, dtype, gen, args, B=8, Hk=8, D=128, P=16, prefix=64):
     value = torch.randn(T, Hk, D, generator=gen).to(torch.bfloat16)
     offsets = torch.arange(0, T + 1, per, dtype=torch.int32)
     lengths = torch.full((B,), prefix, dtype=torch.int32)
-    kc = pagedkv.memory.zeros((num_pages, P, Hk, D), dtype=dtype)  # as pagedkv's cache classes allocate
-    vc = pagedkv.memory.zeros((num_pages, P, Hk, D), dtype=dtype)
+    kc = pagedkv.host_alloc.zeros((num_pages, P, Hk, D), dtype=dtype)  # as pagedkv's cache classes allocate
+    vc = pagedkv.host_alloc.zeros((num_pages, P, Hk, D), dtype=dtype)
     fp8 = dtype in common.FP8_DTYPES
     ks = torch.zeros(num_pages, P, Hk, 1) if fp8 else None
     vs = torch.zeros_like(ks) if fp8 else None

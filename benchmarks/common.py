@@ -147,9 +147,9 @@ def random_table(batch: int, pages_per_seq: int, num_pages: int, gen: torch.Gene
 
 
 def cache_tensor(x: torch.Tensor) -> torch.Tensor:
-    """x copied into memory allocated the way pagedkv's cache classes allocate (pagedkv.memory.zeros:
+    """x copied into memory allocated the way pagedkv's cache classes allocate (pagedkv.host_alloc.zeros:
     huge-page advised on Linux), so the benchmarks read caches like the ones users get."""
-    t = pagedkv.memory.zeros(x.shape, dtype=x.dtype)
+    t = pagedkv.host_alloc.zeros(x.shape, dtype=x.dtype)
     t.copy_(x)
     return t
 
@@ -255,7 +255,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "pagedkv_cpu_isa": cpu_isa(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "transparent_hugepage": pagedkv.memory.thp_mode(),  # caches come from pagedkv.memory.zeros
+        "transparent_hugepage": pagedkv.host_alloc.thp_mode(),  # caches come from pagedkv.host_alloc.zeros
         "last_level_cache_MiB": llc / 2**20 if llc is not None else None,
         "caches": "warm" if _cold_buffer is None else "cold",  # see the method above
         "cold_read_MiB": None if _cold_buffer is None else _cold_buffer.numel() * _cold_buffer.element_size() >> 20,

@@ -2,13 +2,15 @@
 batches and the attention tolerance.
 
 Where each kind of test lives (see also tests/README.md):
-- tests/ops/test_<op>.py: one file per op (paged_store, paged_load, flash_attn_paged with its .out
-  variant): the op's grid, its error cases, its opcheck and its seeded fuzz chunks, every test
-  parametrized over `DEVICES` (CPU always, CUDA when present) and compared with
-  `pagedkv.reference`, the way ggml's test-backend-ops compares every backend with the CPU. Tests
-  of CUDA-only behaviour (graph capture, PAGEDKV_CHECK=1, loaders, tile image) sit in the same
-  file, marked `CUDA_ONLY`. copy_pages is tested with the page manager (tests/test_page_manager.py).
-- tests/ops/grid_cases.py, error_cases.py, fuzz_cases.py: the case builders those files share.
+- tests/ops/test_<op>.py: one file per op (paged_store, paged_load, copy_pages, merge_attn_states,
+  flash_attn_paged_lse, flash_attn_paged_sparse; flash_attn_paged with its .out variant in three
+  files by concern: grid, kernel paths, errors): the op's grid, its error cases, its opcheck and its
+  seeded fuzz chunks, every test parametrized over `DEVICES` (CPU always, CUDA when present) and
+  compared with `pagedkv.reference`, the way ggml's test-backend-ops compares every backend with the
+  CPU. Tests of CUDA-only behaviour (graph capture, PAGEDKV_CHECK=1, loaders, tile image) sit with
+  them, marked `CUDA_ONLY`.
+- tests/ops/grid_cases.py, error_cases.py, fuzz_cases.py: the case builders those files share;
+  tests/ops/op_helpers.py: the one import that gives a test file these and this module's helpers.
 - tests/test_<concern>.py: what is not one op: the reference itself, the CPU ISA paths against
   each other, pools over 2^31 elements, threads, torch.compile of a layer, the host allocator, the
   cache objects, the page manager, the transformers integration, the demo, the benchmark harness.

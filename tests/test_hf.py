@@ -150,7 +150,7 @@ def test_missing_hook_is_named_with_the_version(monkeypatch):
 
 
 def test_ci_tests_the_pinned_versions():
-    """scripts/install.sh and scripts/test.sh install exactly the versions hf.py says are tested."""
+    """scripts/install.sh and scripts/test.sh install exactly the versions pagedkv.hf.compat says are tested."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scripts = "".join(open(os.path.join(root, "scripts", name)).read() for name in ("install.sh", "test.sh"))
     for version in phf.TESTED_VERSIONS:

@@ -9,7 +9,9 @@ from .build_report import build_info, check_build as _check_build
 
 _check_build()
 
-from . import memory, reference  # noqa: E402
+import importlib  # noqa: E402
+
+from . import host_alloc  # noqa: E402
 from .cache import (  # noqa: E402
     ContinuousBatchingKVCache,
     KVCacheBatch,
@@ -43,7 +45,7 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "reference",
-    "memory",
+    "host_alloc",
     "PagedKVCacheCollection",
     "PagedKVCacheFA3Fallback",
     "PagedKVCache",
@@ -54,3 +56,11 @@ __all__ = [
     "copy_pages",
     "build_info",
 ]
+
+
+def __getattr__(name: str):
+    # pagedkv.reference is the test oracle, not part of the library: it is imported on first use
+    # (pagedkv.reference.X after `import pagedkv`), never by the library itself (PEP 562).
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

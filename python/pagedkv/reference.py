@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, fp8_max, is_fp8, num_scale_groups
+
 __all__ = [
     "FP8_DTYPES",
     "FLOAT_DTYPES",
@@ -30,27 +32,6 @@ __all__ = [
     "merge_attn_states",
     "flash_attn_paged_sparse",
 ]
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
-    if not is_fp8(dtype):
-        raise ValueError(f"fp8_max: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    return float(torch.finfo(dtype).max)
-
-
-def num_scale_groups(head_dim: int, quant_group: int) -> int:
-    """ceil(D / G): number of FP8 scales per (token, head)."""
-    if quant_group < 1:
-        raise ValueError(f"quant_group must be >= 1, got {quant_group}")
-    return -(-head_dim // quant_group)
 
 
 def _group_bounds(head_dim: int, quant_group: int):

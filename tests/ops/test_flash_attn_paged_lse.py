@@ -13,25 +13,7 @@ import itertools
 import pytest
 import torch
 
-import pagedkv
-from conftest import (
-    CACHE_DTYPES,
-    DEVICES,
-    FP8_DTYPES,
-    LAYOUTS,
-    assert_attention_close,
-    assert_bytes_equal,
-    assert_lse_close,
-    dtype_name,
-    fill_history,
-    generator,
-    make_setup,
-    randn,
-    ragged_inputs,
-    seed_from,
-    supported_or_skip,
-)
-from pagedkv import reference as ref
+from op_helpers import *  # noqa: F403  (pagedkv, ref and the shared helpers: op_helpers.__all__)
 
 NUM_KV_HEADS = 2
 

@@ -13,21 +13,7 @@ import itertools
 import pytest
 import torch
 
-import pagedkv
-from conftest import (
-    CACHE_DTYPES,
-    DEVICES,
-    FP8_DTYPES,
-    LAYOUTS,
-    assert_attention_close,
-    assert_bytes_equal,
-    dtype_name,
-    generator,
-    make_paged_kv,
-    randn,
-    seed_from,
-)
-from pagedkv import reference as ref
+from op_helpers import *  # noqa: F403  (pagedkv, ref and the shared helpers: op_helpers.__all__)
 
 NUM_KV_HEADS = 2
 TOKENS = 5

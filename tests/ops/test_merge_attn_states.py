@@ -9,17 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pagedkv
-from conftest import (
-    DEVICES,
-    FLOAT_DTYPES,
-    assert_lse_close,
-    dtype_name,
-    generator,
-    randn,
-    seed_from,
-)
-from pagedkv import reference as ref
+from op_helpers import *  # noqa: F403  (pagedkv, ref and the shared helpers: op_helpers.__all__)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_merge_with_parts_that_saw_no_key(device):

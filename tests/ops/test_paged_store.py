@@ -13,42 +13,7 @@ import math
 import pytest
 import torch
 
-import pagedkv
-from conftest import (
-    CACHE_DTYPES,
-    CUDA_ONLY,
-    DEVICES,
-    FLOAT_DTYPES,
-    FP8_DTYPES,
-    LAYOUTS,
-    dtype_name,
-    fill_history,
-    generator,
-    make_setup,
-    ragged_inputs,
-    randn,
-    seed_from,
-    strided_index_tensors,
-    supported_or_skip,
-)
-from error_cases import D, G, HK, P, expect_error, ids, index_errors, set_, setup_call, strided_last, _with
-from fuzz_cases import CHUNKS
-from fuzz_op_cases import cases_for, chunks, run_chunk
-from grid_cases import (
-    PAGE_SIZES,
-    QUANT_GROUPS,
-    RANDOM_SAMPLES,
-    STORE_HEAD_DIMS,
-    OPCHECK_DTYPES,
-    build_cases,
-    case_id,
-    normalize,
-    opcheck,
-    params,
-    rows_for,
-    small_setup,
-)
-from pagedkv import reference as ref
+from op_helpers import *  # noqa: F403  (pagedkv, ref and the shared helpers: op_helpers.__all__)
 
 pytestmark = pytest.mark.usefixtures("cuda_knobs")
 

@@ -1,4 +1,4 @@
-"""pagedkv.memory.zeros: the cache classes' CPU allocation (huge-page advised on Linux).
+"""pagedkv.host_alloc.zeros: the cache classes' CPU allocation (huge-page advised on Linux).
 
 Checks values (zero), shape, dtype, contiguity and alignment; that the memory outlives the
 allocation it is carved from; that ops store into and read back from such a cache exactly as
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pagedkv
-from pagedkv import memory
+from pagedkv import host_alloc
 
 HUGE = 2 << 20
 
@@ -22,17 +22,17 @@ HUGE = 2 << 20
                                    torch.float8_e5m2])
 def test_zeros_values_shape_alignment(dtype):
     shape = (64, 16, 8, 128)  # 1M elements: 1-4 MiB, past the huge-page threshold for 2+ byte types
-    t = memory.zeros(shape, dtype=dtype)
+    t = host_alloc.zeros(shape, dtype=dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert torch.equal(t.float(), torch.zeros(shape))
-    if memory.huge_pages_requested(t):
+    if host_alloc.huge_pages_requested(t):
         assert t.data_ptr() % HUGE == 0
     elif t.numel() * t.element_size() >= 2 * HUGE and sys.platform.startswith("linux"):
         pytest.fail("a large CPU tensor on Linux was not advised (madvise failed?)")
 
 
 def test_memory_outlives_the_carving():
-    t = memory.zeros((1024, 1024, 2), dtype=torch.float32)  # 8 MiB
+    t = host_alloc.zeros((1024, 1024, 2), dtype=torch.float32)  # 8 MiB
     t[-1, -1, -1] = 7.0
     t[0, 0, 0] = 3.0
     gc.collect()
@@ -43,33 +43,33 @@ def test_memory_outlives_the_carving():
 
 
 def test_small_tensor_is_plain():
-    t = memory.zeros((3, 5), dtype=torch.bfloat16)
-    assert not memory.huge_pages_requested(t)
+    t = host_alloc.zeros((3, 5), dtype=torch.bfloat16)
+    assert not host_alloc.huge_pages_requested(t)
     assert torch.equal(t, torch.zeros(3, 5, dtype=torch.bfloat16))
 
 
 def test_env_turns_it_off(monkeypatch):
     monkeypatch.setenv("PAGEDKV_HUGE_PAGES", "0")
-    monkeypatch.setattr(memory, "_libc", None)  # forget the cached choice
-    t = memory.zeros((1024, 1024, 4), dtype=torch.float32)
-    assert not memory.huge_pages_requested(t)
+    monkeypatch.setattr(host_alloc, "_libc", None)  # forget the cached choice
+    t = host_alloc.zeros((1024, 1024, 4), dtype=torch.float32)
+    assert not host_alloc.huge_pages_requested(t)
     assert torch.equal(t, torch.zeros(1024, 1024, 4))
-    monkeypatch.setattr(memory, "_libc", None)
+    monkeypatch.setattr(host_alloc, "_libc", None)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or memory.thp_mode() not in ("always", "madvise"),
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_alloc.thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages not available to madvise here")
 def test_linux_large_tensor_is_advised():
-    t = memory.zeros((8 << 20,), dtype=torch.uint8)
-    assert memory.huge_pages_requested(t)
+    t = host_alloc.zeros((8 << 20,), dtype=torch.uint8)
+    assert host_alloc.huge_pages_requested(t)
     assert t.data_ptr() % HUGE == 0
 
 
 def test_ops_round_trip_through_advised_cache():
     gen = torch.Generator().manual_seed(3)
     n_pages, p, hk, d = 256, 16, 4, 128  # 4 MiB per bf16 pool
-    kc = memory.zeros((n_pages, p, hk, d), dtype=torch.bfloat16)
-    vc = memory.zeros((n_pages, p, hk, d), dtype=torch.bfloat16)
+    kc = host_alloc.zeros((n_pages, p, hk, d), dtype=torch.bfloat16)
+    vc = host_alloc.zeros((n_pages, p, hk, d), dtype=torch.bfloat16)
     kc_ref = torch.zeros_like(kc)
     vc_ref = torch.zeros_like(vc)
     lengths = torch.tensor([0, 37], dtype=torch.int32)
@@ -91,5 +91,5 @@ def test_cache_classes_allocate_through_it():
                              dtype=torch.bfloat16)
     for pool in c.k_pools + c.v_pools:
         assert torch.equal(pool, torch.zeros_like(pool))
-        if sys.platform.startswith("linux") and memory.thp_mode() in ("always", "madvise"):
-            assert memory.huge_pages_requested(pool)
+        if sys.platform.startswith("linux") and host_alloc.thp_mode() in ("always", "madvise"):
+            assert host_alloc.huge_pages_requested(pool)

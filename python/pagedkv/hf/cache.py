@@ -1,0 +1,325 @@
+"""PagedCache: a transformers ``Cache`` whose K/V live in pagedkv pages (a
+``PagedKVCacheCollection`` that grows when a step needs more pages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
+from .attention import _padding_mask, _pending, _Rows
+from .compat import IMPLEMENTATION, check_transformers_version
+
+# Pages in a PagedCache grow by this factor when a step needs more (amortised copies).
+POOL_GROWTH = 2
+
+
+def _transformers_cache_classes():
+    check_transformers_version()
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    return Cache, CacheLayerMixin
+
+
+def _text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return config
+
+
+def _model_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of a decoder config; a config without them, or whose query
+    heads are not a multiple of its KV heads, raises ValueError naming the field."""
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model config: {name} must be a positive int (a decoder-only transformers config), "
+                             f"got {value!r} in {type(config).__name__}")
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"model config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, head_dim
+
+
+class _Pool:
+    """The pages of a PagedCache: a PagedKVCacheCollection plus each row's page list, growing
+    by copying into a larger collection when a step needs more pages than are free."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, page_size, dtype, device, num_pages, quant_group):
+        self.geometry = (num_layers, page_size, num_kv_heads, head_dim)
+        self.options = {"dtype": dtype, "device": device, "quant_group": quant_group}
+        self.collection = PagedKVCacheCollection(num_pages, *self.geometry, **self.options)
+        self.row_pages: list[list[int]] = []
+        self.next_free = 0
+        self.lookup_table: torch.Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry[1]
+
+    def reserve(self, row_lengths: Sequence[int]) -> torch.Tensor:
+        """Pages for rows of the given lengths (tokens after this step); returns lookup_table."""
+        page_size = self.page_size
+        while len(self.row_pages) < len(row_lengths):
+            self.row_pages.append([])
+        wanted = [max(0, -(-length // page_size) - len(pages)) for length, pages in zip(row_lengths, self.row_pages)]
+        if self.lookup_table is not None and not any(wanted):
+            return self.lookup_table
+        needed = self.next_free + sum(wanted)
+        if needed > self.collection.num_pages:
+            self._grow(max(needed, POOL_GROWTH * self.collection.num_pages))
+        for pages, count in zip(self.row_pages, wanted):
+            pages.extend(range(self.next_free, self.next_free + count))
+            self.next_free += count
+        width = max(1, max(len(p) for p in self.row_pages))
+        table = torch.zeros((len(self.row_pages), width), dtype=torch.int32)
+        for row, pages in enumerate(self.row_pages):
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.lookup_table = table.to(self.collection.device)
+        return self.lookup_table
+
+    def _grow(self, num_pages: int) -> None:
+        old = self.collection
+        new = PagedKVCacheCollection(num_pages, *self.geometry, **self.options)
+        new.blocks[: old.num_pages].copy_(old.blocks)
+        if old.scales is not None:
+            new.scales[: old.num_pages].copy_(old.scales)
+        self.collection = new
+
+
+def _make_layer_class(CacheLayerMixin):
+    class PagedLayer(CacheLayerMixin):
+        """One decoder layer of a PagedCache. Keeps no tensors: the pages are the owner's."""
+
+        is_compileable = False
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, owner, layer_idx: int):
+            super().__init__()
+            self.owner, self.layer_idx = owner, layer_idx
+            self.seen = 0  # positions transformers has given this layer (padding included)
+            self.lengths: torch.Tensor | None = None  # int32 [B]: tokens stored per row
+            self.is_initialized = True
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            return None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            # The attention call right after stores and attends; see attention_forward.
+            left = getattr(_pending, "step", None)
+            if left is not None and left[1].owner is self.owner and left[1].layer_idx < self.layer_idx:
+                # An earlier layer of this forward never reached attention_forward: another
+                # implementation would attend over this step's K/V alone, silently wrong.
+                _pending.step = None
+                raise RuntimeError(
+                    f"pagedkv.hf.PagedCache: layer {left[1].layer_idx} did not attend with attn_implementation="
+                    f"'{IMPLEMENTATION}'; a PagedCache works only with it (model.set_attn_implementation('pagedkv'))"
+                )
+            _pending.step = (key_states, self)
+            return key_states, value_states
+
+        def get_seq_length(self, *args) -> int:
+            return self.seen
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def get_max_cache_shape(self) -> int:
+            return -1
+
+        def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+            # query: the query length (5.x) or the cache_position tensor (4.57)
+            query_length = query if isinstance(query, int) else int(query.shape[0])
+            return self.seen + query_length, 0
+
+        def reset(self) -> None:
+            self.seen, self.lengths = 0, None
+
+        def _refuse(self, what: str):
+            raise NotImplementedError(
+                f"pagedkv.hf.PagedCache does not support {what} (beam search, assisted decoding and cache "
+                "cropping need page copies); use greedy or sampled generate, or transformers' DynamicCache"
+            )
+
+        def reorder_cache(self, beam_idx) -> None:
+            self._refuse("reorder_cache")
+
+        def crop(self, max_length: int) -> None:
+            self._refuse("crop")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._refuse("batch_repeat_interleave")
+
+        def batch_select_indices(self, indices) -> None:
+            self._refuse("batch_select_indices")
+
+    return PagedLayer
+
+
+class _RaggedStep:
+    """A continuous-batching step: ragged rows already laid out by the page manager."""
+
+    def __init__(self, input_row_offsets, cache_lengths, lookup_table):
+        self.input_row_offsets = input_row_offsets
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+
+
+def PagedCache(
+    model_or_config,
+    *,
+    page_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
+    num_pages: int | None = None,
+    quant_group: int = 128,
+    collection: PagedKVCacheCollection | None = None,
+):
+    """A transformers ``Cache`` for ``model.generate`` whose K/V live in pagedkv pages.
+
+    model_or_config: the model (or its config) the cache is for. page_size: tokens per page.
+    kv_dtype: cache dtype (default: the model's dtype; float8_e4m3fn / float8_e5m2 quantize
+    per token, head and ``quant_group`` channels). num_pages: initial pool (default: enough for
+    the first step; the pool doubles when full). collection: use these pages instead (ragged mode).
+    The model must use ``attn_implementation="pagedkv"``.
+    """
+    Cache, CacheLayerMixin = _transformers_cache_classes()
+    cls = _paged_cache_class(Cache, CacheLayerMixin)
+    return cls(model_or_config, page_size, kv_dtype, num_pages, quant_group, collection)
+
+
+_CACHE_CLASSES: dict = {}
+
+
+def _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection, dims) -> None:
+    """PagedCache's arguments, checked when it is made (not at the first forward): TypeError or
+    ValueError naming the argument and what it may be."""
+    _check_positive_int("page_size", page_size)
+    if kv_dtype is not None:
+        _check_cache_dtype(kv_dtype, "kv_dtype")
+    if num_pages is not None:
+        _check_positive_int("num_pages", num_pages)
+    _check_positive_int("quant_group", quant_group)
+    if collection is None:
+        return
+    if not isinstance(collection, PagedKVCacheCollection):
+        raise TypeError(f"collection must be a pagedkv PagedKVCacheCollection or None, got {type(collection).__name__}")
+    num_layers, num_kv_heads, head_dim = dims
+    expected = {"page_size": page_size, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+                "head_dim": head_dim, "quant_group": quant_group}
+    if kv_dtype is not None:
+        expected["dtype"] = kv_dtype
+    for name, value in expected.items():
+        if getattr(collection, name) != value:
+            raise ValueError(f"collection.{name} is {getattr(collection, name)}, but this PagedCache needs {value} "
+                             f"({'the model' if name in ('num_layers', 'num_kv_heads', 'head_dim') else name})")
+    if collection.k_only:
+        raise ValueError("collection must hold K and V (k_only=False): transformers models attend over both")
+
+
+def _paged_cache_class(Cache, CacheLayerMixin):
+    if Cache in _CACHE_CLASSES:
+        return _CACHE_CLASSES[Cache]
+    PagedLayer = _make_layer_class(CacheLayerMixin)
+
+    class PagedKVTransformersCache(Cache):
+        """See ``pagedkv.hf.PagedCache``."""
+
+        def __init__(self, model_or_config, page_size, kv_dtype, num_pages, quant_group, collection):
+            config = _text_config(model_or_config)
+            implementation = getattr(config, "_attn_implementation", None)
+            if implementation not in (None, IMPLEMENTATION):
+                raise ValueError(
+                    f"PagedCache needs a model loaded with attn_implementation='{IMPLEMENTATION}', "
+                    f"got '{implementation}'"
+                )
+            self.num_layers, self.num_kv_heads, self.head_dim = _model_dims(config)
+            _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection,
+                                         (self.num_layers, self.num_kv_heads, self.head_dim))
+            super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+            self.page_size, self.kv_dtype, self.quant_group = page_size, kv_dtype, quant_group
+            self.initial_pages = num_pages
+            self.pool: _Pool | None = None
+            self.collection = collection
+            self.ragged: _RaggedStep | None = None
+            self._step_key = None
+            self._step = None
+
+        # -- bookkeeping shared by all layers of one forward ------------------------------
+
+        @property
+        def kv_collection(self) -> PagedKVCacheCollection | None:
+            """The pagedkv collection holding the pages (None before the first step)."""
+            return self.collection if self.pool is None else self.pool.collection
+
+        def _ensure_pool(self, key: torch.Tensor, rows: int, tokens: int) -> _Pool:
+            if self.pool is None:
+                dtype = self.kv_dtype or key.dtype
+                pages = self.initial_pages or max(1, rows * -(-tokens // self.page_size))
+                self.pool = _Pool(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, dtype,
+                                  key.device, pages, self.quant_group)
+            return self.pool
+
+        def _batch_step(self, layer, key, attention_mask):
+            """Rows of this forward for `layer`: what is stored where. Computed once per forward
+            (the first layer to arrive) and shared by the others."""
+            batch, _, q_len, _ = key.shape
+            step_key = (layer.seen, q_len, batch, attention_mask.data_ptr() if attention_mask is not None else 0)
+            if self._step_key == step_key and self._step is not None:
+                return self._step
+            keep = _padding_mask(attention_mask, batch, layer.seen + q_len, key.device)
+            new = _Rows(None if keep is None else keep[:, -q_len:], batch, q_len, key.device)
+            stored_before = layer.lengths if layer.lengths is not None else torch.zeros_like(new.counts)
+            pool = self._ensure_pool(key, batch, layer.seen + q_len)
+            lookup = pool.reserve((stored_before + new.counts).tolist())
+            self._step_key, self._step = step_key, (new, stored_before, lookup)
+            return self._step
+
+        def attend(self, layer_idx, query, key, value, attention_mask, options) -> torch.Tensor:
+            layer = self.layers[layer_idx]
+            if self.ragged is not None:
+                return self._attend_ragged(layer_idx, query, key, value, options)
+            if query.size(2) != key.size(2):
+                raise ValueError("PagedCache: query and key lengths differ for this step")
+            new, stored_before, lookup = self._batch_step(layer, key, attention_mask)
+            collection = self.pool.collection
+            collection.store(layer_idx, new.pack(key), new.pack(value), new.offsets, stored_before, lookup)
+            out = collection.attention(layer_idx, new.pack(query), new.offsets, stored_before, lookup, **options)
+            layer.lengths = stored_before + new.counts
+            layer.seen += key.size(2)
+            return new.unpack(out)
+
+        def _attend_ragged(self, layer_idx, query, key, value, options) -> torch.Tensor:
+            # query [1, Hq, T, D], key/value [1, Hk, T, D]: the packed rows of this step
+            step, collection = self.ragged, self.collection
+            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+            collection.store(layer_idx, k, v, step.input_row_offsets, step.cache_lengths, step.lookup_table)
+            out = collection.attention(layer_idx, q, step.input_row_offsets, step.cache_lengths,
+                                       step.lookup_table, **options)
+            return out.unsqueeze(0)
+
+        # -- transformers' Cache API that a paged cache answers differently ----------------
+
+        @property
+        def is_compileable(self) -> bool:
+            return False
+
+        @property
+        def max_batch_size(self) -> int:
+            return -1
+
+        @property
+        def max_cache_len(self) -> int:
+            return -1
+
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+            return -1
+
+    _CACHE_CLASSES[Cache] = PagedKVTransformersCache
+    return PagedKVTransformersCache

@@ -1,0 +1,115 @@
+"""Which transformers pagedkv.hf runs with: the version floor, the release lines tested, the hooks
+it needs, and the attention keywords it knows (those without effect on the result, those it
+refuses). Update TESTED_VERSIONS and the keyword lists together when a transformers line is added:
+the lists are audited per line."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+
+IMPLEMENTATION = "pagedkv"
+# The hooks used here: AttentionInterface / AttentionMaskInterface (4.54+) and Cache made of
+# per-layer objects (CacheLayerMixin, 4.56+); 4.57 is the oldest line tested.
+MIN_VERSION = (4, 57)
+# Release lines the test suite runs against (see tests/test_hf.py and README).
+TESTED_VERSIONS = ("4.57.6", "5.24.0")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) from a version string: "5.24.0.dev0" -> (5, 24, 0), "4.57.0rc1" -> (4, 57, 0)."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """The installed transformers version, or a RuntimeError naming it when it lacks the hooks."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise RuntimeError(
+            "pagedkv.hf needs transformers (pip install 'transformers>=4.57'); it is not installed"
+        ) from error
+    version = transformers.__version__ if version is None else version
+    if _version_tuple(version) < MIN_VERSION:
+        raise RuntimeError(
+            f"pagedkv.hf needs transformers >= {'.'.join(map(str, MIN_VERSION))} (AttentionInterface, "
+            f"AttentionMaskInterface and per-layer Cache objects); installed transformers {version}: "
+            "pip install -U 'transformers>=4.57'"
+        )
+    hooks = {
+        "modeling_utils": ("AttentionInterface",),
+        "masking_utils": ("AttentionMaskInterface", "flash_attention_mask"),
+        "cache_utils": ("Cache", "CacheLayerMixin"),
+    }
+    missing = []
+    for module_name, names in hooks.items():
+        try:
+            module = importlib.import_module(f"transformers.{module_name}")
+        except ImportError:
+            missing.append(f"transformers.{module_name}")
+            continue
+        missing += [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(f"pagedkv.hf: transformers {version} lacks {', '.join(missing)}")
+    return version
+
+
+# Keywords that transformers' attention calls pass (audited on 4.57.6 and 5.24.0: the model files'
+# attention_interface(...) calls, what their **kwargs carry from generate, chunked prefill and
+# continuous batching, and the keys of TransformersKwargs / FlashAttentionKwargs that a model's
+# forward hands down to every layer) and that leave the attention output as pagedkv computes it:
+# output switches of the model (hidden states, router logits), loss bookkeeping, bookkeeping of the
+# cache or of the scheduler (the K/V handed over are already the ones to attend), lengths that
+# cu_seq_lens_q/k already give, the sequence index of Mamba layers, and flash-attention options
+# without a numerical effect. position_ids are read in the contiguous path (packed sequences, see
+# _refuse_packed_position_ids).
+_KEYWORDS_WITHOUT_EFFECT = frozenset({
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache",
+    "cache_position", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "seq_idx", "logits_indices", "logits_processor_args", "read_index", "write_index", "deterministic",
+})
+# Keywords that change the result, with the model feature they carry; pagedkv does not implement
+# them, so a call that gives one (not None / False) is refused instead of silently dropping it.
+_UNSUPPORTED_KEYWORDS = {
+    "head_mask": "head masking (a per-head factor on the attention probabilities)",
+    "position_bias": "an additive attention bias (e.g. T5-style relative position buckets)",
+    "indices": "sparse attention over indexer-selected tokens (e.g. DeepSeek sparse attention)",
+    "block_indices": "block-sparse attention over selected key blocks",
+    "block_table": "transformers' paged attention reading K/V through its block table",
+    "output_attentions": "returning the attention weights (use attn_implementation='eager' for them)",
+}
+
+
+
+def _refuse_unsupported_keywords(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name in _KEYWORDS_WITHOUT_EFFECT or value is None or value is False:
+            continue
+        feature = _UNSUPPORTED_KEYWORDS.get(name)
+        if feature is not None:
+            raise NotImplementedError(
+                f"pagedkv attention does not implement {name}, which this model passes for {feature}; "
+                "load it with another attn_implementation (e.g. 'eager' or 'sdpa')"
+            )
+        raise NotImplementedError(
+            f"pagedkv attention got keyword {name}={type(value).__name__}, which it does not implement and "
+            f"cannot tell to be without effect on the result; supported keywords: dropout, scaling, "
+            f"sliding_window, softcap, is_causal, {', '.join(sorted(_KEYWORDS_WITHOUT_EFFECT))}"
+        )
+
+
+
+def _warn_if_untested(version: str) -> None:
+    newest = max(_version_tuple(v) for v in TESTED_VERSIONS)
+    if _version_tuple(version)[:2] > newest[:2]:
+        warnings.warn(
+            f"pagedkv.hf was tested with transformers {', '.join(TESTED_VERSIONS)}; installed {version}",
+            stacklevel=3,
+        )

@@ -1,0 +1,305 @@
+"""Continuous batching over a paged KV cache: the server loop that ``python -m pagedkv.demo`` and
+``pagedkv.hf.generate_batch`` share.
+
+Requests arrive at different steps of a server loop. Every step:
+
+1. requests whose arrival step has come join the waiting queue;
+2. each running request needs room for one more token; when the pool has no free page for it,
+   the most recently admitted running request is **preempted**: its pages are released and it goes
+   back to the front of the waiting queue, to be recomputed later from prompt + generated tokens;
+3. if nothing was preempted, waiting requests are admitted in arrival order while their whole
+   (re)prefill fits in the free pages and in the per-step prefill token budget;
+4. one ragged forward pass runs the new requests' prefill rows together with one decode row per
+   running request, greedy tokens are appended, and requests finishing on EOS or on
+   ``max_new_tokens`` release their pages.
+
+The model is any callable ``model(tokens, positions, input_row_offsets, cache_lengths,
+lookup_table) -> logits [B, vocab]`` over the pages the page manager hands out
+(``pagedkv.llama.LlamaPagedModel``, ``pagedkv.hf.TransformersPagedModel``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .page_manager import PageManager
+
+__all__ = ["ContinuousBatchingServer", "ProgressBar", "Request", "StepRecord", "page_manager_for"]
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    arrival_step: int
+    message: str
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = dataclasses.field(default_factory=list)
+    # float32 [vocab] logits that produced each generated token (kept only for --check)
+    step_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    admitted_step: int | None = None
+    finished_step: int | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+    prefix_cached_tokens: int = 0  # prompt tokens found in live requests' pages, over all admissions
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def max_total_tokens(self) -> int:
+        # The last generated token is never fed back, so it never occupies the cache.
+        return len(self.prompt) + self.max_new_tokens - 1
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step: int
+    seconds: float
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    pages_used: int  # during the forward pass (after reserving, before releasing)
+    shared_pages: int
+    holding: list[int]  # requests holding pages during the forward pass
+    preempted: list[int]
+    admitted: list[int]
+    finished: list[int]
+
+
+class ProgressBar:
+    """tqdm on stderr when installed, else a one-line bar redrawn in place."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total = total
+        self.count = 0
+        self.enabled = enabled
+        self._tqdm = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+
+            self._tqdm = tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self._tqdm = None
+
+    def update(self, count: int, total: int, status: str) -> None:
+        self.count, self.total = count, total
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.total = total
+            self._tqdm.n = count
+            self._tqdm.set_postfix_str(status, refresh=False)
+            self._tqdm.refresh()
+            return
+        width = 30
+        filled = int(width * count / max(total, 1))
+        sys.stderr.write(f"\rgenerating [{'#' * filled}{'.' * (width - filled)}] {count}/{total} tok {status}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.close()
+        else:
+            sys.stderr.write("\n")
+
+
+def page_manager_for(kv_cache) -> PageManager:
+    """A page manager over a collection's pages; copy-on-write copies apply to blocks and scales."""
+    caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
+    return PageManager(kv_cache.num_pages, kv_cache.page_size, caches=caches)
+
+
+class ContinuousBatchingServer:
+    """The scheduling loop of the module docstring over one model, cache and page manager."""
+
+    def __init__(
+        self,
+        model: Callable[..., torch.Tensor],
+        page_manager,
+        stop_token_ids: Sequence[int],
+        device: torch.device,
+        max_prefill_tokens: int = 512,
+        max_running: int = 16,
+        record_logits: bool = False,
+    ):
+        self.model = model
+        self.page_manager = page_manager
+        self.stop_token_ids = {int(t) for t in stop_token_ids}
+        self.device = device
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running
+        self.record_logits = record_logits
+        self.pending: list[Request] = []  # not arrived yet, by arrival step
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order
+        self.finished: list[Request] = []
+        self.records: list[StepRecord] = []
+        self.step_index = 0
+        self.preemptions = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        if self._pages_for(request.max_total_tokens) > self.page_manager.num_pages:
+            raise ValueError(
+                f"request {request.request_id} needs up to {request.max_total_tokens} tokens "
+                f"({self._pages_for(request.max_total_tokens)} pages), more than the whole pool "
+                f"({self.page_manager.num_pages} pages): raise --num-pages"
+            )
+        self.pending.append(request)
+        self.pending.sort(key=lambda r: (r.arrival_step, r.request_id))
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_manager.page_size)
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.page_manager.release(request.request_id)
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        request.preemptions += 1
+        self.preemptions += 1
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.page_manager.release(request.request_id)
+        self.running.remove(request)
+        request.finish_reason = reason
+        request.finished_step = self.step_index
+        self.finished.append(request)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> StepRecord:
+        page_manager = self.page_manager
+        while self.pending and self.pending[0].arrival_step <= self.step_index:
+            self.waiting.append(self.pending.pop(0))
+
+        # 1. Room for one more token per running request, preempting the youngest when needed.
+        preempted: list[int] = []
+        decode_rows: list[Request] = []
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted below, on behalf of an older request
+            while not page_manager.can_reserve(request.request_id, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request in self.running:
+                page_manager.reserve(request.request_id, 1)
+                decode_rows.append(request)
+
+        # 2. Admit waiting requests in order while their prefill fits (not in a preempting step).
+        prefill_rows: list[tuple[Request, int]] = []  # (request, tokens already cached)
+        prefill_budget = self.max_prefill_tokens
+        while self.waiting and not preempted and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            tokens = request.tokens
+            # Full pages of this prefix that live requests already computed are shared, not recomputed
+            # (the count leaves at least one token to compute, for the logits).
+            cached = page_manager.add_sequence(request.request_id, tokens)
+            new_tokens = len(tokens) - cached
+            if not 0 <= cached < len(tokens):
+                raise RuntimeError(f"add_sequence reported {cached} cached tokens of {len(tokens)}")
+            fits_budget = new_tokens <= prefill_budget or not (decode_rows or prefill_rows)
+            if not fits_budget or not page_manager.can_reserve(request.request_id, new_tokens):
+                page_manager.release(request.request_id)
+                break
+            page_manager.reserve(request.request_id, new_tokens)
+            self.waiting.popleft()
+            self.running.append(request)
+            request.admitted_step = self.step_index
+            request.prefix_cached_tokens += cached
+            prefill_rows.append((request, cached))
+            prefill_budget -= new_tokens
+
+        # 3. One ragged forward over decode rows then prefill rows.
+        row_requests: list[Request] = []
+        row_tokens: list[list[int]] = []
+        for request in decode_rows:
+            row_requests.append(request)
+            row_tokens.append(request.generated[-1:])
+        for request, cached in prefill_rows:
+            row_requests.append(request)
+            row_tokens.append(request.tokens[cached:])
+
+        holding = [r.request_id for r in self.running]
+        pages_used = page_manager.used_pages
+        shared_pages = getattr(page_manager, "shared_pages", 0)
+        seconds = 0.0
+        finished: list[int] = []
+        if row_requests:
+            seconds, finished = self._forward(row_requests, row_tokens)
+
+        record = StepRecord(
+            step=self.step_index,
+            seconds=seconds,
+            prefill_tokens=sum(len(t) for t in row_tokens[len(decode_rows) :]),
+            decode_tokens=len(decode_rows),
+            running=len(self.running),
+            waiting=len(self.waiting),
+            pages_used=pages_used,
+            shared_pages=shared_pages,
+            holding=holding,
+            preempted=preempted,
+            admitted=[r.request_id for r, _ in prefill_rows],
+            finished=finished,
+        )
+        self.records.append(record)
+        self.step_index += 1
+        return record
+
+    def _forward(self, row_requests: list[Request], row_tokens: list[list[int]]) -> tuple[float, list[int]]:
+        page_manager = self.page_manager
+        seq_ids = [r.request_id for r in row_requests]
+        lookup_table, cache_lengths = page_manager.export(seq_ids, device=self.device)
+        lengths_before = [page_manager.length(i) for i in seq_ids]
+        offsets = [0]
+        flat_tokens: list[int] = []
+        positions: list[int] = []
+        for tokens, start in zip(row_tokens, lengths_before):
+            flat_tokens.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            offsets.append(len(flat_tokens))
+
+        start_time = time.perf_counter()
+        logits = self.model(
+            torch.tensor(flat_tokens, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            torch.tensor(offsets, dtype=torch.int32, device=self.device),
+            cache_lengths,
+            lookup_table,
+        )  # [B, vocab] float32
+        next_tokens = logits.argmax(dim=-1).tolist()
+        seconds = time.perf_counter() - start_time
+
+        logits_cpu = logits.cpu() if self.record_logits else None
+        finished: list[int] = []
+        for row, (request, tokens) in enumerate(zip(row_requests, row_tokens)):
+            page_manager.commit(request.request_id, len(tokens), tokens=tokens)
+            request.generated.append(int(next_tokens[row]))
+            if logits_cpu is not None:
+                request.step_logits.append(logits_cpu[row].clone())
+            if next_tokens[row] in self.stop_token_ids:
+                self._finish(request, "eos")
+                finished.append(request.request_id)
+            elif len(request.generated) >= request.max_new_tokens:
+                self._finish(request, "length")
+                finished.append(request.request_id)
+        return seconds, finished
