@@ -85,9 +85,10 @@ def test_sparse_matches_reference(device, case):
 
 @pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_name)
 def test_sparse_k_only_mla(device, cache_dtype):
-    """MLA: one 576-wide latent cache; V is its first 512 columns (a view, no copy)."""
+    """MLA: one 576-wide latent cache; V is its first 512 columns (a view, no copy). The CPU kernel
+    converts each row once for both (float32: reads it in place)."""
     gen = generator(seed_from("mla", dtype_name(cache_dtype)))
     kv = make_paged_kv("separate", num_pages=6, page_size=16, num_kv_heads=1, head_dim=576, dtype=cache_dtype,
                        quant_group=128, k_only=True, device=device)
@@ -102,6 +103,39 @@ def test_sparse_k_only_mla(device, cache_dtype):
     expected = ref.flash_attn_paged_sparse(q.double(), *args[1:])
     assert out.shape == (3, 8, 512)
     assert_attention_close(out, expected, torch.bfloat16, "MLA sparse")
+
+
+# The CPU kernel's edges: head sizes that leave a vector tail (36, 72, 40 are not multiples of 16,
+# 36 not of 8; 36 with FP8 groups of 32 ends in a 4-wide group), lists longer than one 32-entry chunk
+# and not a multiple of it, GQA groups of 1, 3 (padded to a pass of 4), 8 (one pass) and 16 (two
+# passes), a page size that is not a power of two, float32 rows read in place or converted.
+EDGE_CASES = [
+    dict(head_dim=36, gqa=8, cache_dtype=torch.float32, page_size=6, softcap=0.0, sinks=False),
+    dict(head_dim=64, gqa=1, cache_dtype=torch.float32, page_size=6, softcap=0.0, sinks=True),
+    dict(head_dim=36, gqa=1, cache_dtype=FP8_DTYPES[0], page_size=8, softcap=0.0, sinks=False),
+    dict(head_dim=72, gqa=3, cache_dtype=torch.bfloat16, page_size=8, softcap=3.0, sinks=False),
+    dict(head_dim=40, gqa=16, cache_dtype=torch.float16, page_size=16, softcap=0.0, sinks=True),
+]
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", EDGE_CASES, ids=case_name)
+def test_sparse_vector_tails_long_lists_and_head_groups(device, case):
+    gen = generator(seed_from("sparse-edges", case_name(case)))
+    d, hk, tokens, num_pages = case["head_dim"], 2, 4, 20
+    kv = make_paged_kv("separate", num_pages=num_pages, page_size=case["page_size"], num_kv_heads=hk, head_dim=d,
+                       dtype=case["cache_dtype"], quant_group=32, device=device)
+    fill_pool(gen, kv)
+    hq = hk * case["gqa"]
+    q = randn(gen, (tokens, hq, d), torch.float32, device)
+    indices = random_indices(gen, tokens, hk, 70, num_pages * case["page_size"], device)
+    sinks = randn(gen, (hq,), torch.float32, device, scale=2.0) if case["sinks"] else None
+    args = (q, kv.k_cache, kv.v_cache, indices, None, kv.k_scales, kv.v_scales, 32, case["softcap"], sinks)
+    out = pagedkv.flash_attn_paged_sparse(*args)
+    expected = ref.flash_attn_paged_sparse(q.double(), *args[1:])
+    assert_attention_close(out, expected, torch.float32, case_name(case))
+    assert (out[-1] == 0).all(), "a row that lists no token outputs zeros"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,3 +2,6 @@
 #define PKV_CPU_TABLE pkv_cpu_kernels_scalar
 #define PKV_CPU_NAME "scalar"
 #include "../kernels/pkv_cpu_kernels.inc"
+#include "../pkv_cpu_sparse.h"
+#define PKV_SPARSE_FN pkv_sparse_cpu_scalar
+#include "../kernels/sparse_item.inc"
