@@ -135,6 +135,36 @@ def copy_ceiling(mib: int = 512, reps: int = MIN_REPS) -> dict:
     return {"mib": mib, "seconds": t, "gbps": 2 * n / t / 1e9, "samples": samples}
 
 
+def read_ceiling_library():
+    """ctypes handle of benchmarks/probes/read_ceiling.c (vector loads summed over a buffer, one
+    contiguous part per thread), compiled on first use into .deps/ (git-ignored) with -march=native:
+    the widest loads this CPU has. None (with the reason printed) where no C compiler works."""
+    import ctypes
+
+    src = os.path.join(ROOT, "benchmarks", "probes", "read_ceiling.c")
+    out = os.path.join(ROOT, ".deps", "read_ceiling.so")
+    if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(src):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cmd = [os.environ.get("CC", "cc"), "-O2", "-march=native", "-shared", "-fPIC", "-pthread", src, "-o", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"read ceiling not built ({' '.join(cmd)}): {done.stderr.strip()}")
+            return None
+    lib = ctypes.CDLL(out)
+    lib.pkv_read_ceiling.restype = ctypes.c_float
+    lib.pkv_read_ceiling.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.pkv_read_ceiling_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def read_ceiling_call(lib, nbytes: int, threads: int) -> Callable[[], float]:
+    """A candidate for time_interleaved: one read of a fresh `nbytes` buffer (zeros, so every page is
+    mapped before timing) with `threads` threads."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    assert buf.data_ptr() % 64 == 0, "torch's CPU allocator aligns to 64 bytes"
+    return lambda: (buf, lib.pkv_read_ceiling(buf.data_ptr(), nbytes, threads))[1]
+
+
 # ---------------------------------------------------------------- data
 
 
