@@ -26,7 +26,8 @@ read ceiling (benchmarks/probes/read_ceiling.c through ctypes: vector loads summ
 same byte size as the K/V, bf16 and FP8 + scales, with torch's thread count). % of ceiling = decode
 GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, same threads, values of
 the same distribution: standard normal) runs as a subprocess right after each shape's rounds when
-benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message).
+benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message). --packed adds
+the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed) for bf16 and e4m3: before/after ratios.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def run_case(c, args, with_peers=True, with_fp8=True, label=""):
 ISSUE26_SHAPES = ((4, 4096), (16, 4096), (4, 16384), (16, 16384), (1, 4096), (16, 512))  # (B, L)
 ISSUE26_DRAM_BYTES = 256 * 10**6  # the issue's "cache in DRAM" threshold (K/V >= 256 MB)
 GGML_HARNESS = os.path.join(common.ROOT, ".deps", "ggml", "flash_attn_harness")
+ISSUE26_CEILING_LINE = ("- read ceiling: per row (ceiling_gbps: bf16 K/V bytes; FP8 rows divide by the ceiling of the FP8 "
+                        "+ scale bytes), vector loads summed, same threads, interleaved with the decode rounds")
 
 
 def quantize_pages(x, dtype, chunk=4096):
@@ -134,6 +137,19 @@ def ggml_times(B, L, Hq, Hk, D, threads, reps):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def with_decode_path(path, fn):
+    """fn run with PAGEDKV_CPU_DECODE=path ("default": unset), read by the CPU kernel on every call."""
+
+    def run():
+        if path == "default":
+            os.environ.pop("PAGEDKV_CPU_DECODE", None)
+        else:
+            os.environ["PAGEDKV_CPU_DECODE"] = path
+        return fn()
+
+    return run
+
+
 def issue26_case(B, L, gen, lib, args):
     Hq, Hk, D, P = 32, 8, 128, 16
     threads = torch.get_num_threads()
@@ -151,6 +167,11 @@ def issue26_case(B, L, gen, lib, args):
                                                                               k_scales=ks, v_scales=vs))(k8, ks, v8, vs)
         err = (cands[name]().float() - out.float()).abs().max().item()
         assert err < 0.25, f"{name} decode differs from bf16 by {err}"  # a sanity check, not a test
+    if args.packed:  # the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed), for before/after ratios
+        for name in ("bf16", "e4m3"):
+            cands[f"{name}_packed"] = with_decode_path("packed", cands[name])
+        for name in ("bf16", "e4m3", "e5m2"):
+            cands[name] = with_decode_path("default", cands[name])
     cands["ceiling_bf16"] = common.read_ceiling_call(lib, kv_bytes, threads)
     cands["ceiling_fp8"] = common.read_ceiling_call(lib, fp8_bytes, threads)
     s = common.time_interleaved(cands, args.reps, args.warmup)
@@ -166,8 +187,11 @@ def issue26_case(B, L, gen, lib, args):
         row[f"{name}_ms"] = t[name] * 1e3
         row[f"{name}_pct"] = 100 * fp8_bytes / t[name] / 1e9 / ceil_fp8
         row[f"{name}_vs_bf16"] = t["bf16"] / t[name]
+    if args.packed:
+        row.update(bf16_packed_ms=t["bf16_packed"] * 1e3, e4m3_packed_ms=t["e4m3_packed"] * 1e3,
+                   bf16_vs_packed=t["bf16_packed"] / t["bf16"], e4m3_vs_packed=t["e4m3_packed"] / t["e4m3"])
     if ggml:
-        row.update(ggml_f16_ms=ggml["f16"], ggml_q8_0_ms=ggml["q8_0"], bf16_vs_ggml_f16=ggml["f16"] / (t["bf16"] * 1e3),
+        row.update(ggml=ggml, ggml_f16_ms=ggml["f16"], ggml_q8_0_ms=ggml["q8_0"], bf16_vs_ggml_f16=ggml["f16"] / (t["bf16"] * 1e3),
                    e4m3_vs_ggml_q8_0=ggml["q8_0"] / (t["e4m3"] * 1e3))
     row["samples"] = s
     return row
@@ -191,7 +215,7 @@ def issue26_main(args):
         common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16"])
     cols = ["case", "kv_MB", "llc_MiB", "bf16_ms", "bf16_gbps", "ceiling_gbps", "bf16_pct", "e4m3_ms", "e4m3_pct",
             "e4m3_vs_bf16", "e5m2_ms", "e5m2_vs_bf16", "ggml_f16_ms", "ggml_q8_0_ms", "bf16_vs_ggml_f16",
-            "e4m3_vs_ggml_q8_0"]
+            "e4m3_vs_ggml_q8_0"] + (["bf16_vs_packed", "e4m3_vs_packed"] if args.packed else [])
     print()
     common.print_table(rows, cols)
     env["load_average_after"] = list(os.getloadavg())
@@ -223,13 +247,15 @@ def issue26_main(args):
     issue_method = "--issue26 (" + __doc__.split("--issue26 (", 1)[1].split("\n\n")[0]
     method = __doc__.split("\n\n")[0] + "\n\n" + issue_method + "\n\n" + common.__doc__
     common.write_results(stem, "pagedkv CPU decode at the memory limit (issue 26)", method, env, ceiling, rows, cols,
-                         targets)
+                         targets, ceiling_line=ISSUE26_CEILING_LINE)
 
 
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--pages", action="store_true", help="page-size sweep (default in full mode)")
     p.add_argument("--issue26", action="store_true", help="issue 26 shapes against the native read ceiling and ggml")
+    p.add_argument("--packed", action="store_true",
+                   help="with --issue26: also time the packed-tile decode path (PAGEDKV_CPU_DECODE=packed)")
     args = p.parse_args()
     common.setup(args)
     if args.issue26:
