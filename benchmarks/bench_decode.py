@@ -17,9 +17,24 @@ fp8 speedup over bf16, time at page P relative to page 16.
 
   python benchmarks/bench_decode.py --quick        # CPU row only (< 1 min)
   python benchmarks/bench_decode.py                # CPU row + page sweep + more batch sizes
+  python benchmarks/bench_decode.py --issue26      # issue 26 shapes against the native read ceiling
+
+--issue26 (results stem decode_issue26_cpu): Hq/Hk 32/8, D 128, page 16, random page order, B x L in
+{4, 16} x {4096, 16384} plus B=1 L=4096 and B=16 L=512. Candidates per shape, interleaved round by
+round: pagedkv bf16, FP8 e4m3 and e5m2 (one scale per (token, head): group 128 = D), and the native
+read ceiling (benchmarks/probes/read_ceiling.c through ctypes: vector loads summed over a buffer of the
+same byte size as the K/V, bf16 and FP8 + scales, with torch's thread count). % of ceiling = decode
+GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, same threads, values of
+the same distribution: standard normal) runs as a subprocess right after each shape's rounds when
+benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message). --packed adds
+the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed) for bf16 and e4m3: before/after ratios.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
 
 import common
 import torch
@@ -94,11 +109,157 @@ def run_case(c, args, with_peers=True, with_fp8=True, label=""):
     return row
 
 
+# ---------------------------------------------------------------- --issue26
+
+ISSUE26_SHAPES = ((4, 4096), (16, 4096), (4, 16384), (16, 16384), (1, 4096), (16, 512))  # (B, L)
+ISSUE26_DRAM_BYTES = 256 * 10**6  # the issue's "cache in DRAM" threshold (K/V >= 256 MB)
+GGML_HARNESS = os.path.join(common.ROOT, ".deps", "ggml", "flash_attn_harness")
+ISSUE26_CEILING_LINE = ("- read ceiling: per row (ceiling_gbps: bf16 K/V bytes; FP8 rows divide by the ceiling of the FP8 "
+                        "+ scale bytes), vector loads summed, same threads, interleaved with the decode rounds")
+
+
+def quantize_pages(x, dtype, chunk=4096):
+    """common.quantize_fp8 over chunks of pages (the float32 temporaries of a 1 GB cache would not fit beside
+    the other candidates)."""
+    parts = [common.quantize_fp8(x[i:i + chunk], dtype) for i in range(0, x.shape[0], chunk)]
+    return common.cache_tensor(torch.cat([q for q, _ in parts])), torch.cat([sc for _, sc in parts])
+
+
+def ggml_times(B, L, Hq, Hk, D, threads, reps):
+    """{"f16": ms, "q8_0": ms} medians from the ggml harness, or None when it is not built or fails."""
+    if not os.path.exists(GGML_HARNESS):
+        return None
+    cmd = [GGML_HARNESS, str(B), str(L), str(Hq), str(Hk), str(D), str(threads), str(reps)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"ggml harness failed ({' '.join(cmd)}): {done.stderr.strip()[-400:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def with_decode_path(path, fn):
+    """fn run with PAGEDKV_CPU_DECODE=path ("default": unset), read by the CPU kernel on every call."""
+
+    def run():
+        if path == "default":
+            os.environ.pop("PAGEDKV_CPU_DECODE", None)
+        else:
+            os.environ["PAGEDKV_CPU_DECODE"] = path
+        return fn()
+
+    return run
+
+
+def issue26_case(B, L, gen, lib, args):
+    Hq, Hk, D, P = 32, 8, 128, 16
+    threads = torch.get_num_threads()
+    c = make_case(B, L, Hq, Hk, D, P, gen)
+    q, k, v, table, offsets, lengths = c["q"], c["k"], c["v"], c["table"], c["offsets"], c["lengths"]
+    cands = {"bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
+    out = cands["bf16"]()
+    kv_bytes = k.numel() * 2 + v.numel() * 2
+    fp8_bytes = 0
+    for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        k8, ks = quantize_pages(k, dt)
+        v8, vs = quantize_pages(v, dt)
+        fp8_bytes = k8.numel() + v8.numel() + 4 * (ks.numel() + vs.numel())
+        cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(q, offsets, k8, v8, lengths, table,
+                                                                              k_scales=ks, v_scales=vs))(k8, ks, v8, vs)
+        err = (cands[name]().float() - out.float()).abs().max().item()
+        assert err < 0.25, f"{name} decode differs from bf16 by {err}"  # a sanity check, not a test
+    if args.packed:  # the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed), for before/after ratios
+        for name in ("bf16", "e4m3"):
+            cands[f"{name}_packed"] = with_decode_path("packed", cands[name])
+        for name in ("bf16", "e4m3", "e5m2"):
+            cands[name] = with_decode_path("default", cands[name])
+    cands["ceiling_bf16"] = common.read_ceiling_call(lib, kv_bytes, threads)
+    cands["ceiling_fp8"] = common.read_ceiling_call(lib, fp8_bytes, threads)
+    s = common.time_interleaved(cands, args.reps, args.warmup)
+    t = {n: common.median(x) for n, x in s.items()}
+    ggml = ggml_times(B, L, Hq, Hk, D, threads, args.reps)
+    llc = common.last_level_cache_bytes()
+    ceil_bf16, ceil_fp8 = kv_bytes / t["ceiling_bf16"] / 1e9, fp8_bytes / t["ceiling_fp8"] / 1e9
+    row = dict(case=f"B={B} L={L}", B=B, L=L, kv_MB=kv_bytes / 1e6, llc_MiB=llc / 2**20 if llc else None,
+               in_dram=kv_bytes >= ISSUE26_DRAM_BYTES and not (llc and kv_bytes <= llc),
+               bf16_ms=t["bf16"] * 1e3, bf16_gbps=kv_bytes / t["bf16"] / 1e9, ceiling_gbps=ceil_bf16,
+               bf16_pct=100 * kv_bytes / t["bf16"] / 1e9 / ceil_bf16, fp8_ceiling_gbps=ceil_fp8)
+    for name in ("e4m3", "e5m2"):
+        row[f"{name}_ms"] = t[name] * 1e3
+        row[f"{name}_pct"] = 100 * fp8_bytes / t[name] / 1e9 / ceil_fp8
+        row[f"{name}_vs_bf16"] = t["bf16"] / t[name]
+    if args.packed:
+        row.update(bf16_packed_ms=t["bf16_packed"] * 1e3, e4m3_packed_ms=t["e4m3_packed"] * 1e3,
+                   bf16_vs_packed=t["bf16_packed"] / t["bf16"], e4m3_vs_packed=t["e4m3_packed"] / t["e4m3"])
+    if ggml:
+        row.update(ggml=ggml, ggml_f16_ms=ggml["f16"], ggml_q8_0_ms=ggml["q8_0"], bf16_vs_ggml_f16=ggml["f16"] / (t["bf16"] * 1e3),
+                   e4m3_vs_ggml_q8_0=ggml["q8_0"] / (t["e4m3"] * 1e3))
+    row["samples"] = s
+    return row
+
+
+def issue26_main(args):
+    lib = common.read_ceiling_library()
+    if lib is None:
+        raise SystemExit("--issue26 needs the native read ceiling (a C compiler: cc)")
+    gen = torch.Generator().manual_seed(args.seed)
+    env = common.environment()
+    env["read_ceiling_loads"] = lib.pkv_read_ceiling_isa().decode()
+    if not os.path.exists(GGML_HARNESS):
+        print(f"ggml harness not built ({GGML_HARNESS}): run bash benchmarks/ggml/build.sh; ggml columns left empty")
+    print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
+          f"{env['read_ceiling_loads']}, LLC {env['last_level_cache_MiB']} MiB, load average {env['load_average']}")
+    shapes = ISSUE26_SHAPES[:1] + ISSUE26_SHAPES[-2:] if args.quick else ISSUE26_SHAPES
+    rows = []
+    for B, L in shapes:
+        rows.append(issue26_case(B, L, gen, lib, args))
+        common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16"])
+    cols = ["case", "kv_MB", "llc_MiB", "bf16_ms", "bf16_gbps", "ceiling_gbps", "bf16_pct", "e4m3_ms", "e4m3_pct",
+            "e4m3_vs_bf16", "e5m2_ms", "e5m2_vs_bf16", "ggml_f16_ms", "ggml_q8_0_ms", "bf16_vs_ggml_f16",
+            "e4m3_vs_ggml_q8_0"] + (["bf16_vs_packed", "e4m3_vs_packed"] if args.packed else [])
+    print()
+    common.print_table(rows, cols)
+    env["load_average_after"] = list(os.getloadavg())
+    targets = []
+    big = [r for r in rows if r["B"] * r["L"] >= 4 * 4096]
+    for r in big:
+        need = 85 if r["in_dram"] else 65
+        targets.append(dict(target=f"{r['case']}: bf16 >= {need}% of the read ceiling", measured=r["bf16_pct"],
+                            met=r["bf16_pct"] >= need))
+        if r["in_dram"]:
+            for name in ("e4m3", "e5m2"):
+                targets.append(dict(target=f"{r['case']}: {name} >= 1.6x bf16", measured=r[f"{name}_vs_bf16"],
+                                    met=r[f"{name}_vs_bf16"] >= 1.6))
+        if "bf16_vs_ggml_f16" in r:
+            targets.append(dict(target=f"{r['case']}: bf16 >= 2x ggml f16", measured=r["bf16_vs_ggml_f16"],
+                                met=r["bf16_vs_ggml_f16"] >= 2))
+            targets.append(dict(target=f"{r['case']}: e4m3 >= 6x ggml q8_0", measured=r["e4m3_vs_ggml_q8_0"],
+                                met=r["e4m3_vs_ggml_q8_0"] >= 6))
+    for r in rows:
+        if r not in big and "bf16_vs_ggml_f16" in r:
+            targets.append(dict(target=f"{r['case']}: bf16 not slower than ggml f16", measured=r["bf16_vs_ggml_f16"],
+                                met=r["bf16_vs_ggml_f16"] >= 1))
+    common.print_targets(targets)
+    if args.no_write:
+        return
+    stem = args.out or "decode_issue26_cpu" + ("_quick" if args.quick else "")
+    ceiling = {"gbps": rows[0]["ceiling_gbps"], "mib": rows[0]["kv_MB"] * 1e6 / 2**20,
+               "note": "native read ceiling of the first row; every row has its own (ceiling_gbps)"}
+    issue_method = "--issue26 (" + __doc__.split("--issue26 (", 1)[1].split("\n\n")[0]
+    method = __doc__.split("\n\n")[0] + "\n\n" + issue_method + "\n\n" + common.__doc__
+    common.write_results(stem, "pagedkv CPU decode at the memory limit (issue 26)", method, env, ceiling, rows, cols,
+                         targets, ceiling_line=ISSUE26_CEILING_LINE)
+
+
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--pages", action="store_true", help="page-size sweep (default in full mode)")
+    p.add_argument("--issue26", action="store_true", help="issue 26 shapes against the native read ceiling and ggml")
+    p.add_argument("--packed", action="store_true",
+                   help="with --issue26: also time the packed-tile decode path (PAGEDKV_CPU_DECODE=packed)")
     args = p.parse_args()
     common.setup(args)
+    if args.issue26:
+        return issue26_main(args)
     gen = torch.Generator().manual_seed(args.seed)
     env = common.environment()
     ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)

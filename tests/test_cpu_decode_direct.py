@@ -1,0 +1,102 @@
+"""The AVX2 direct decode path (csrc/cpu/kernels/decode_avx2.inc) against the float64 reference.
+
+Direct decode widens K/V rows in registers next to the products (e4m3 through f16 bits with the 2^8
+folded into the scales, NaN codes found by a byte compare). PAGEDKV_CPU_DECODE=packed selects the
+packed tiles instead, read per call, so both paths run in this process on the same inputs:
+- 16-bit and FP8 caches, FP8 scales per row (folded) and per group of 8 / 32 elements,
+- 3, 4 and 5 query heads per KV head (blocks of 4 query vectors and their remainders), D 72 (a half
+  column block) and 128, odd key counts, a split-KV row (1100 keys);
+- e4m3 NaN codes in K (the KV head's query rows become NaN) and in V (those columns become NaN).
+Elsewhere than AVX2 (scalar, AVX-512) both settings run the packed path and the test still holds.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import assert_attention_close
+
+import pagedkv
+from pagedkv import reference as ref
+
+CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+PATHS = ["direct", "packed"]
+LENGTHS = [1, 77, 300, 1100]  # cached keys per row, the new token included: odd tiles, one split-KV row
+PAGE = 16
+
+
+def fp8_max(dtype):
+    return 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+
+
+def make_cache(gen, num_pages, hk, d, dtype, group):
+    """Random cache [num_pages, PAGE, hk, d] of dtype with the contract's FP8 scales (None for 16-bit)."""
+    x = torch.randn(num_pages, PAGE, hk, d, generator=gen)
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(dtype), None
+    g = x.view(num_pages, PAGE, hk, d // group, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+    codes = (g / scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype).view(num_pages, PAGE, hk, d)
+    return codes, scale.squeeze(-1).contiguous()
+
+
+def decode_case(seed, dtype, group, q_heads, hk, d):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [(n + PAGE - 1) // PAGE for n in LENGTHS]
+    num_pages = sum(pages) + 3
+    table = torch.zeros(len(LENGTHS), max(pages), dtype=torch.int32)
+    perm = torch.randperm(num_pages, generator=gen)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    k, ks = make_cache(gen, num_pages, hk, d, dtype, group)
+    v, vs = make_cache(gen, num_pages, hk, d, dtype, group)
+    q = torch.randn(len(LENGTHS), q_heads, d, generator=gen)
+    offsets = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
+    lengths = torch.tensor([n - 1 for n in LENGTHS], dtype=torch.int32)  # the new token is already stored
+    kwargs = dict(k_scales=ks, v_scales=vs, quant_group=group)
+    return q, (offsets, k, v, lengths, table), kwargs
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32)])
+def test_direct_decode_matches_reference(monkeypatch, path, dtype, q_heads, hk, d, group):
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    q, args, kwargs = decode_case(zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode()), dtype, group, q_heads, hk, d)
+    out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    want = ref.flash_attn_paged(q.double(), *args, **kwargs)
+    assert_attention_close(out, want, torch.float32, f"{path} {dtype} gqa {q_heads // hk} D {d} G {group}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("group", [128, 32])
+def test_direct_decode_e4m3_nan_codes(monkeypatch, path, where, group):
+    """NaN codes (0x7f, 0xff) in a visible K row make the query rows of that KV head NaN (a NaN key is
+    never dropped: the CPU kernels' rule, tests/test_cpu_kernels_isa.py); in a V row they make those
+    columns NaN (p * NaN, as in the reference). Everything else matches the reference."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    q, (offsets, k, v, lengths, table), kwargs = decode_case(7, torch.float8_e4m3fn, group, 8, 2, 128)
+    cache = k if where == "k" else v
+    bits = cache.view(torch.uint8)
+    page, slot = int(table[2, 40 // PAGE]), 40 % PAGE  # row 2 (300 keys), key 40, KV head 1 (q heads 4..7)
+    bits[page, slot, 1, 5] = 0x7F
+    bits[page, slot, 1, 9] = 0xFF
+    out = pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table, **kwargs)
+    nan_where = torch.zeros(out.shape, dtype=torch.bool)
+    if where == "k":
+        nan_where[2, 4:8, :] = True
+    else:
+        nan_where[2, 4:8, [5, 9]] = True
+    assert torch.equal(torch.isnan(out), nan_where), f"NaN at {torch.isnan(out).nonzero()[:8].tolist()}"
+    clean = cache.clone()
+    clean.view(torch.uint8)[page, slot, 1, [5, 9]] = 0
+    k2, v2 = (clean, v) if where == "k" else (k, clean)
+    want = ref.flash_attn_paged(q.double(), offsets, k2, v2, lengths, table, **kwargs)
+    other = ~nan_where.any(-1)  # query rows without a NaN: the NaN key/columns do not reach them
+    torch.testing.assert_close(out[other].double(), want[other], atol=1e-5, rtol=1e-5)
