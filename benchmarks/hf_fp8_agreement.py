@@ -11,7 +11,7 @@ and the largest norm-relative logits error against each. The first decoder layer
 against simulated FP8 (same FP8-rounded K/V; only summation order differs) are reported as well.
 Top-1 agreement moves with the CPU kernel path, the thread count and the transformers line (a token
 whose two best logits are close flips when a last bit changes an FP8 rounding), so it is measured
-here over those, not asserted; tests/test_hf.py checks every layer's attention against
+here over those, not asserted; tests/hf checks every layer's attention against
 pagedkv.reference on the same FP8 K/V instead (test_fp8_attention_every_layer_matches_reference).
 
   python benchmarks/hf_fp8_agreement.py            # this process: its ISA, torch's thread count

@@ -11,7 +11,7 @@ PY="${PYTHON:-python3}"
 step() { printf '\n==> %s\n' "$*"; }
 
 # transformers lines pagedkv.hf is tested with (python/pagedkv/hf/compat.py TESTED_VERSIONS): the newest
-# is installed here; scripts/test.sh also runs tests/test_hf.py against the older line (requests:
+# is installed here; scripts/test.sh also runs tests/hf against the older line (requests:
 # the older line's huggingface-hub needs it).
 TRANSFORMERS_NEWEST="transformers==5.24.0"
 

@@ -26,7 +26,7 @@ printf '\n==> transformers integration against %s\n' "${TRANSFORMERS_OLDER[0]}"
 older=.deps/transformers-older
 rm -rf "$older"
 python3 -m pip install -q --no-deps --target "$older" "${TRANSFORMERS_OLDER[@]}"
-PYTHONPATH="$older${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/test_hf.py
+PYTHONPATH="$older${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/hf
 
 # The suite above runs the CPU kernels the machine picks (AMX or AVX-512 where the CPU has them);
 # the cheap `per_isa` op tests of tests/ops (seeded fuzz chunks, the LSE/sinks and sparse grids) and
@@ -38,7 +38,7 @@ for isa in $other_isas; do
   printf '\n==> op tests (per_isa) on the %s CPU kernels\n' "$isa"
   PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/ops -m per_isa
   printf '\n==> FP8 attention per layer in transformers models on the %s CPU kernels\n' "$isa"
-  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/test_hf.py \
+  PAGEDKV_CPU_ISA=$isa python3 -m pytest -q -p no:cacheprovider tests/hf \
     -k "fp8_attention_every_layer and not smollm2"
 done
 

@@ -13,7 +13,8 @@ Where each kind of test lives (see also tests/README.md):
   tests/ops/op_helpers.py: the one import that gives a test file these and this module's helpers.
 - tests/test_<concern>.py: what is not one op: the reference itself, the CPU ISA paths against
   each other, pools over 2^31 elements, threads, torch.compile of a layer, the host allocator, the
-  cache objects, the page manager, the transformers integration, the demo, the benchmark harness.
+  cache objects, the page manager, the demo, the benchmark harness; tests/hf/ the transformers
+  integration (one file per concern).
 
 A `PagedKV` holds the storage tensors ("bases") of one layout and rebuilds the strided per-layer
 views from them, so a test can clone the whole storage, run the reference on the clone and the real

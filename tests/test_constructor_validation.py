@@ -3,7 +3,7 @@
 The cache objects' integer, dtype, k_only and quant_group checks are in tests/test_cache_objects.py
 (test_constructor_errors) and the page manager's in tests/test_page_manager.py; this file adds the
 device of every cache object and the page size a PageManager shares with its caches. PagedCache
-(transformers) is checked in tests/test_hf.py, which runs against both transformers lines.
+(transformers) is checked in tests/hf, which runs against both transformers lines.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ IMPLEMENTATION = "pagedkv"
 # The hooks used here: AttentionInterface / AttentionMaskInterface (4.54+) and Cache made of
 # per-layer objects (CacheLayerMixin, 4.56+); 4.57 is the oldest line tested.
 MIN_VERSION = (4, 57)
-# Release lines the test suite runs against (see tests/test_hf.py and README).
+# Release lines the test suite runs against (see tests/hf and README).
 TESTED_VERSIONS = ("4.57.6", "5.24.0")
 
 
