@@ -21,4 +21,14 @@ static int g_checks, g_failures;
     }                                                                        \
   } while (0)
 
+/* The end of a test's main: prints the failures or the check count, returns the exit status. */
+static inline int check_report(const char *what) {
+  if (g_failures) {
+    fprintf(stderr, "%d of %d checks failed (%s)\n", g_failures, g_checks, what);
+    return 1;
+  }
+  printf("all %d checks passed (%s)\n", g_checks, what);
+  return 0;
+}
+
 #endif

@@ -150,4 +150,20 @@ static inline void fill_tokens(int32_t *tokens, int64_t n, int32_t first) {
   for (int64_t i = 0; i < n; ++i) tokens[i] = first + (int32_t)i;
 }
 
+/* A test binary's main: runs each named test in order (a failing CHECK aborts) and prints the count. */
+typedef struct pm_test {
+  const char *name;
+  void (*run)(void);
+} pm_test;
+
+static inline int pm_run_tests(const pm_test *tests, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    printf("test %s\n", tests[i].name);
+    fflush(stdout);
+    tests[i].run();
+  }
+  printf("%zu tests passed (%d checks)\n", count, g_checks);
+  return 0;
+}
+
 #endif

@@ -355,10 +355,5 @@ int main(void) {
   test_store_kernel();
   test_load_kernel();
   test_attn_kernel();
-  if (g_failures) {
-    fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
-    return 1;
-  }
-  printf("all %d checks passed (CPU kernels)\n", g_checks);
-  return 0;
+  return check_report("CPU kernels");
 }

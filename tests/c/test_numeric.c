@@ -246,10 +246,5 @@ int main(void) {
   test_f16();
   test_bf16();
   printf("f16/bf16: %d checks\n", g_checks);
-  if (g_failures) {
-    fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
-    return 1;
-  }
-  printf("all %d checks passed (numeric formats)\n", g_checks);
-  return 0;
+  return check_report("numeric formats");
 }

@@ -332,10 +332,5 @@ int main(void) {
   test_load_check();
   test_attn_check();
   test_overflow_edges();
-  if (g_failures) {
-    fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
-    return 1;
-  }
-  printf("all %d checks passed (op checkers)\n", g_checks);
-  return 0;
+  return check_report("op checkers");
 }

@@ -352,24 +352,14 @@ static void test_copy_pages_check(void) {
 /* ------------------------------------------------------------------------------------------ */
 
 int main(void) {
-  struct {
-    const char *name;
-    void (*run)(void);
-  } tests[] = {
-      {"create_arguments", test_create_arguments},
-      {"reserve_commit", test_reserve_commit},
-      {"out_of_pages_changes_nothing", test_out_of_pages_changes_nothing},
-      {"fork_copy_on_write", test_fork_copy_on_write},
-      {"prefix_sharing", test_prefix_sharing},
-      {"export", test_export},
-      {"copy_pages_check", test_copy_pages_check},
+  static const pm_test tests[] = {
+    {"create_arguments", test_create_arguments},
+    {"reserve_commit", test_reserve_commit},
+    {"out_of_pages_changes_nothing", test_out_of_pages_changes_nothing},
+    {"fork_copy_on_write", test_fork_copy_on_write},
+    {"prefix_sharing", test_prefix_sharing},
+    {"export", test_export},
+    {"copy_pages_check", test_copy_pages_check},
   };
-  const size_t count = sizeof tests / sizeof tests[0];
-  for (size_t i = 0; i < count; ++i) {
-    printf("test %s\n", tests[i].name);
-    fflush(stdout);
-    tests[i].run();
-  }
-  printf("%zu tests passed (%d checks)\n", count, g_checks);
-  return 0;
+  return pm_run_tests(tests, sizeof tests / sizeof tests[0]);
 }

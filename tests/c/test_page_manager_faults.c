@@ -192,19 +192,9 @@ static void test_concurrent_misuse_detected(void) {
 /* ------------------------------------------------------------------------------------------ */
 
 int main(void) {
-  struct {
-    const char *name;
-    void (*run)(void);
-  } tests[] = {
-      {"allocation_failures_change_nothing", test_allocation_failures_change_nothing},
-      {"concurrent_misuse_detected", test_concurrent_misuse_detected},
+  static const pm_test tests[] = {
+    {"allocation_failures_change_nothing", test_allocation_failures_change_nothing},
+    {"concurrent_misuse_detected", test_concurrent_misuse_detected},
   };
-  const size_t count = sizeof tests / sizeof tests[0];
-  for (size_t i = 0; i < count; ++i) {
-    printf("test %s\n", tests[i].name);
-    fflush(stdout);
-    tests[i].run();
-  }
-  printf("%zu tests passed (%d checks)\n", count, g_checks);
-  return 0;
+  return pm_run_tests(tests, sizeof tests / sizeof tests[0]);
 }

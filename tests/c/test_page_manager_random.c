@@ -252,18 +252,8 @@ static void test_random_operations(void) {
 /* ------------------------------------------------------------------------------------------ */
 
 int main(void) {
-  struct {
-    const char *name;
-    void (*run)(void);
-  } tests[] = {
-      {"random_operations", test_random_operations},
+  static const pm_test tests[] = {
+    {"random_operations", test_random_operations},
   };
-  const size_t count = sizeof tests / sizeof tests[0];
-  for (size_t i = 0; i < count; ++i) {
-    printf("test %s\n", tests[i].name);
-    fflush(stdout);
-    tests[i].run();
-  }
-  printf("%zu tests passed (%d checks)\n", count, g_checks);
-  return 0;
+  return pm_run_tests(tests, sizeof tests / sizeof tests[0]);
 }
