@@ -1,13 +1,16 @@
-"""The AVX2 direct decode path (csrc/cpu/kernels/decode_avx2.inc) against the float64 reference.
+"""The direct decode path (csrc/cpu/kernels/decode_direct.inc: AVX2, and AVX-512 on 16-lane vectors)
+against the float64 reference.
 
 Direct decode widens K/V rows in registers next to the products (e4m3 through f16 bits with the 2^8
 folded into the scales, NaN codes found by a byte compare). PAGEDKV_CPU_DECODE=packed selects the
 packed tiles instead, read per call, so both paths run in this process on the same inputs:
 - 16-bit and FP8 caches, FP8 scales per row (folded) and per group of 8 / 32 elements,
 - 3, 4 and 5 query heads per KV head (blocks of 4 query vectors and their remainders), D 72 (a half
-  column block) and 128, odd key counts, a split-KV row (1100 keys);
+  column block on AVX2; not a whole 16-lane vector, so the packed path on AVX-512), D 80 (a half column
+  block on AVX-512) and 128, odd key counts, a split-KV row (1100 keys);
 - e4m3 NaN codes in K (the KV head's query rows become NaN) and in V (those columns become NaN).
-Elsewhere than AVX2 (scalar, AVX-512) both settings run the packed path and the test still holds.
+On the scalar kernels both settings run the packed path and the test still holds; on the AMX kernels
+16-bit queries over bf16/e4m3 rows keep the AMX tiles (the queries here are float32: direct).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def decode_case(seed, dtype, group, q_heads, hk, d):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32)])
+@pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32), (4, 1, 80, 16)])
 def test_direct_decode_matches_reference(monkeypatch, path, dtype, q_heads, hk, d, group):
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     q, args, kwargs = decode_case(zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode()), dtype, group, q_heads, hk, d)
