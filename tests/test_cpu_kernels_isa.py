@@ -81,6 +81,14 @@ def attn_cases():
     for cdt in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         qdt = torch.float16 if cdt == torch.float16 else torch.bfloat16
         cases.append(dict(d=128, p=16, gqa=4, cdt=cdt, qdt=qdt, group=128, new=[150], cached=[70], hk=2))
+    # short prefill chunks (16 <= rows x gqa < 256 query vectors per KV head): several KV heads per item
+    # on AVX2/AVX-512, one per item on AMX (its tile path takes one head); a 32-row chunk over 9000
+    # keys is split into >= 4096-key pieces merged by log-sum-exp
+    for cdt in (torch.bfloat16, torch.float8_e4m3fn):
+        cases.append(dict(d=128, p=16, gqa=4, cdt=cdt, qdt=torch.bfloat16, group=128, new=[8, 32], cached=[300, 70],
+                          hk=3))
+    cases.append(dict(d=128, p=16, gqa=4, cdt=torch.bfloat16, qdt=torch.bfloat16, group=128, new=[32], cached=[9000],
+                      hk=2))
     # decode on 32-slot pages (AMX decode loads 16-key K blocks in place from the page), with and
     # without a softcap (the AMX decode softmax gathers S^T columns; softcap reads transposed rows)
     for cdt in (torch.bfloat16, torch.float8_e4m3fn):
