@@ -92,6 +92,12 @@ PKV_HD int64_t pkv_cache_token_offset(const pkv_cache_view *c, int64_t token, in
   return pkv_cache_offset(c, token / c->page_size, pkv_slot_of(token, c->page_size), head);
 }
 
+/* pkv_cache_token_offset for pages of 1 << shift slots, without a division (the sparse kernel's row
+ * loop). */
+PKV_HD int64_t pkv_cache_token_offset_pow2(const pkv_cache_view *c, int64_t token, int64_t head, int shift) {
+  return pkv_cache_offset(c, token >> shift, token & (((int64_t)1 << shift) - 1), head);
+}
+
 /* Seed accessor: tokens already cached for row b. */
 PKV_HD int64_t pkv_cache_length(const pkv_index_view *cache_lengths, int64_t b) {
   return pkv_index_at(cache_lengths, b);
