@@ -38,10 +38,13 @@
  * a 32-query, 4096-key shared prefix (32/8 heads, AMX, 2 threads) 3.2 ms
  * unsplit, 3.6 ms in 2 splits, 4.5 ms in 8. */
 #define PKV_CPU_SPLIT_MIN_KEYS_MANY_QUERIES 4096
+/* Query vectors per KV head from which an item is prefill-like: the 16 rows
+ * of an AMX tile (attn_item takes the tile path from there). */
+#define PKV_CPU_MANY_QUERIES 16
 
 /* Fewest keys per split of an item (see above). */
 static int64_t split_min_keys(const pkv_attn_item *it, int64_t heads) {
-  return it->num_rows * heads >= 16 ? PKV_CPU_SPLIT_MIN_KEYS_MANY_QUERIES : PKV_CPU_SPLIT_MIN_KEYS;
+  return it->num_rows * heads >= PKV_CPU_MANY_QUERIES ? PKV_CPU_SPLIT_MIN_KEYS_MANY_QUERIES : PKV_CPU_SPLIT_MIN_KEYS;
 }
 
 static int64_t rows_per_item(int64_t heads) {
@@ -52,12 +55,12 @@ static int64_t rows_per_item(int64_t heads) {
 /* KV heads per item for a row with `rows` new tokens: rows short of a full
  * block (decode) take several heads, up to the same query-vector budget.
  * With AMX tiles (amx_tiles: the AMX table and a 16-bit q and cache) an item
- * of >= 16 query vectors keeps one KV head: the tile path takes one head per
+ * of >= PKV_CPU_MANY_QUERIES query vectors keeps one KV head: the tile path takes one head per
  * item, and grouping heads would send it to the AVX-512 dot products instead
  * (a 32-query, 4096-key shared prefix, 32/8 heads, 2 threads: 11.8 -> 4.8 ms). */
 static int64_t heads_per_item(int64_t rows, int64_t rows_max, int64_t heads, int64_t hk, int amx_tiles) {
   if (rows <= 0 || rows >= rows_max) return 1;
-  if (amx_tiles && rows * heads >= 16) return 1;
+  if (amx_tiles && rows * heads >= PKV_CPU_MANY_QUERIES) return 1;
   int64_t nh = PKV_CPU_QUERIES_PER_ITEM / (rows * heads);
   return nh < 1 ? 1 : (nh > hk ? hk : nh);
 }
