@@ -72,6 +72,16 @@ __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, uint32
   __trap();
 #endif
 }
+// 4-byte copy through L1 (.ca: .cg only takes 16 bytes), for small per-row
+// data such as FP8 scales; src_bytes == 0 zero-fills without reading src.
+__device__ __forceinline__ void cp_async_4(void *smem, const void *gmem, uint32_t src_bytes) {
+#if PKV_ARCH >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if PKV_ARCH >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");

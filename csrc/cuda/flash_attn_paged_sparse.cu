@@ -1,106 +1,515 @@
 // pagedkv CUDA backend: flash_attn_paged_sparse (top-k attention over listed
-// tokens). One warp per (query token row, query head): the lanes split each
-// listed key's dot product over the head size, the warp reduces it, and an
-// online softmax in the log2 domain accumulates V with each lane owning
-// channels lane, lane + 32, ... The query row is read from global memory once,
-// into the warp's slice of shared memory (registers would cost occupancy: 128
-// instead of 94 per thread on sm_90a), not again for every listed key. A portable first kernel (any sm_80+): reads
-// through the read-only cache, no TMA yet; entries outside [0, N * P) are
-// skipped, never read, whether or not the host checked them.
-#include "common.cuh"
+// tokens), the tiled kernel, its host plan and the C entry points.
+//
+// One CTA = (query row t, KV head, chunk of up to kMaxHeads query heads of
+// that KV head's GQA group). It walks the row's index list in tiles of
+// kTileRows listed tokens; each tile's K and V rows are staged in shared
+// memory once for every query head of the CTA, in the one tile layout of
+// tile.cuh, by one of two loaders:
+//   - cp.async (sm_80+): 16-byte copies, rows of -1 / out-of-range entries
+//     zero-filled without a read; plain loads when a row is not 16-byte
+//     aligned (load_tile_cp_async);
+//   - TMA tile::gather4 (sm_100a): four listed rows per instruction through
+//     the 2-D map over the cache's token rows (issue_tile_gather4); a group of
+//     four invalid entries is skipped, an invalid entry inside a loaded group
+//     reads the legal row 0 and is masked.
+// Tiles are double-buffered: the next tile's loads are in flight while the
+// current tile's scores, online softmax (log2 domain) and P V run, in plain
+// fp32 FMAs straight from the staged bytes (FP8 decoded and scaled on the
+// fly, so float32 queries keep float32 accuracy). Masked rows get a -inf
+// score and are skipped in P V, so whatever bytes they hold never matter.
+//
+// What this kernel does not serve goes to the portable kernel
+// (flash_attn_sparse_portable.cu): float32 or mixed-dtype caches, (D, Dv)
+// outside kTiledHeadDims, FP8 groups that split an 8-channel unit, and
+// devices whose shared memory is too small for the layout.
+//
+// Bounds: index values are never trusted. Entries outside [0, N * P) are
+// masked before any address is formed from them; list entries past K are
+// never read.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "flash_attn_sparse.cuh"
 
 namespace pkv {
 namespace {
 
-constexpr int kSparseThreads = 128;                    // 4 warps, one (row, head) each
-constexpr int kSparseMaxDv = 576;                      // MLA's 512 and every usual head size
-constexpr int kSparseLaneDv = kSparseMaxDv / kWarp;    // value channels per lane
-constexpr int kSparseSharedD = 576;                    // query channels staged in shared memory (MLA's
-                                                       // 576); wider heads read the rest from global
+// Listed tokens per tile: one per lane in the score and softmax steps, a
+// multiple of 4 (gather4) and of 8 (the tile swizzle).
+constexpr int kTileRows = 32;
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / kWarp;
+// Query heads per CTA: bounds the per-thread score partials and P V
+// accumulators (registers). Larger groups run several CTAs per (row, KV
+// head), each reading the listed rows again.
+constexpr int kMaxHeads = 16;
+// Tile-row buffers: the next tile's rows are written before the sync that
+// ends the previous tile's P V, which may still read its own (see the loop).
+constexpr int kRowBuffers = 3;
+constexpr float kLog2e = 1.4426950408889634f;
 
-struct SparseParams {
-  pkv_rows_view q, out;               // [T, Hq, D], [T, Hq, Dv]
-  pkv_cache_view k, v;                // [N, P, Hk, D], [N, P, Hk, Dv]
-  pkv_cache_view k_scales, v_scales;  // f32 [N, P, Hk, ceil(D/G)] (FP8) or zeros
-  const int32_t *indices;             // [T, Hk or 1, K]
-  int64_t ix_stride_t, ix_stride_h, ix_stride_k, ix_heads, ix_count;
-  const float *sinks;                 // [Hq] or null
-  int64_t sinks_stride;
-  int64_t group, quant_group;
-  float score_scale, softcap;  // scale; softcap (0: off)
+// (D, Dv) pairs with a tiled instantiation: the dense kernel's head sizes
+// and MLA's 576-wide latent rows with V as their first 512 columns.
+constexpr int kTiledHeadDims[][2] = {{64, 64}, {96, 96}, {128, 128}, {256, 256}, {576, 512}};
+
+// Byte offsets into the (1024-aligned) dynamic shared memory; sized per call
+// on the host (heads per CTA, FP8 groups, V from K), used as is by the kernel.
+struct SparseSmem {
+  int stage_bytes;  // one stage: K tile, then the V tile (none when V is read from the K rows)
+  int v_tile;       // offset of the V tile within a stage
+  int q;            // float [heads][D]: the CTA's query rows
+  int scores;       // float [kWarps][heads][kTileRows]: score partials, one per warp's slice of D
+  int probs;        // float [heads][kTileRows]: this tile's 2^(s - m)
+  int alpha;        // float [heads]: this tile's rescale of the accumulators
+  int inv;          // float [heads]: the softmax normaliser (epilogue)
+  int unit_group;   // int [D / 8]: FP8 scale group of each 8-channel unit
+  int rows;         // TileRows [kRowBuffers][kTileRows]
+  int bars;         // uint64_t [2]: TMA stage barriers
+  int k_scales;     // float [2][kTileRows][k_groups] (FP8)
+  int v_scales;     // float [2][kTileRows][v_groups] (FP8, separate V)
+  int bytes;        // total
 };
 
-// Element c of a cache row (dequantized with its group scale for FP8).
-__device__ __forceinline__ float cache_value(const pkv_cache_view &c, const pkv_cache_view &s, int64_t off,
-                                             int64_t token, int64_t head, int64_t ch, int64_t group) {
-  float x = pkv_load_f32(c.data, off + ch, c.dtype);
-  if (s.data != nullptr)
-    x *= static_cast<const float *>(s.data)[pkv_cache_token_offset(&s, token, head) + ch / group];
-  return x;
+constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups) {
+  SparseSmem s{};
+  const int k_tile = kTileRows * tile_row_bytes(d, es), v_tile = v_from_k ? 0 : kTileRows * tile_row_bytes(dv, es);
+  s.stage_bytes = k_tile + v_tile;  // a multiple of 1024 (kTileRows x 128-byte chunks): TMA's swizzle alignment
+  s.v_tile = k_tile;
+  // the epilogue's partial sums ([row slices][heads][Dv] floats) reuse the stage buffers
+  const int pv_lanes = kThreads / (dv / 8);
+  const int epilogue = (pv_lanes > heads ? pv_lanes : heads) * dv * 4;
+  int at = 2 * s.stage_bytes > epilogue ? 2 * s.stage_bytes : round_up(epilogue, 1024);
+  s.q = at, at += heads * d * 4;
+  s.scores = at, at += kWarps * heads * kTileRows * 4;
+  s.probs = at, at += heads * kTileRows * 4;
+  s.alpha = at, at += heads * 4;
+  s.inv = at, at += heads * 4;
+  s.unit_group = at, at += (d / 8) * 4;
+  s.rows = round_up(at, 8), at = s.rows + kRowBuffers * kTileRows * static_cast<int>(sizeof(TileRows));
+  s.bars = round_up(at, 8), at = s.bars + 16;
+  s.k_scales = at, at += 2 * kTileRows * k_groups * 4;
+  s.v_scales = at, at += v_from_k ? 0 : 2 * kTileRows * v_groups * 4;
+  s.bytes = at;
+  return s;
 }
 
-__global__ void __launch_bounds__(kSparseThreads) sparse_kernel(const __grid_constant__ SparseParams p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dv = p.v.head_dim;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kSparseThreads / kWarp) + (threadIdx.x >> 5);
-  if (item >= p.q.num_rows * hq) return;  // warp-uniform
-  const int64_t t = item / hq, head = item % hq, kvh = head / p.group, list = p.ix_heads == 1 ? 0 : kvh;
-  const int64_t tokens = p.k.num_pages * p.k.page_size, q_off = t * p.q.stride_row + head * p.q.stride_head;
-  __shared__ float q_shared[kSparseThreads / kWarp][kSparseSharedD];
-  float *qs = q_shared[threadIdx.x >> 5];
-  const int d_shared = static_cast<int>(d < kSparseSharedD ? d : kSparseSharedD);
-  for (int c = lane; c < d_shared; c += kWarp) qs[c] = pkv_load_f32(p.q.data, q_off + c, p.q.dtype);
-  __syncwarp();
-  float m = -INFINITY, l = 0.0f, acc[kSparseLaneDv];
+struct TiledParams {
+  SparseParams s;
+  SparseSmem smem;
+  float score_scale;    // scale * log2(e); scale / softcap with a softcap
+  float softcap_log2;   // softcap * log2(e); 0: no softcap
+  int heads_per_cta;    // min(Hq / Hk, kMaxHeads)
+  int v_from_k;         // V is the first Dv columns of the K rows (K-only / MLA): only K is loaded
+  int kv_aligned;       // 16-byte bases and strides: cp.async, else plain loads
+  int k_groups, v_groups;  // FP8 scales per row of K, V
+  int64_t rows_per_page;   // gather4: 2-D map rows per page (pkv_cache_rows_per_page)
+};
+
+// ---------------------------------------------------------------- device
+
+// Elements [8u, 8u + 8) of tile row r as floats (FP8: unscaled).
+template <pkv_dtype kCache>
+__device__ __forceinline__ void tile_unit8(const uint8_t *tile, int r, int u, float (&v)[8]) {
+  if constexpr (kCache == PKV_DTYPE_FP8_E4M3 || kCache == PKV_DTYPE_FP8_E5M2) {
+    const uint2 raw = *reinterpret_cast<const uint2 *>(tile + tile_elem_offset<1>(r, u * 8, kTileRows));
+    const uint32_t w[2] = {raw.x, raw.y};
 #pragma unroll
-  for (int i = 0; i < kSparseLaneDv; i++) acc[i] = 0.0f;
-  for (int64_t j = 0; j < p.ix_count; j++) {
-    const int64_t token = p.indices[t * p.ix_stride_t + list * p.ix_stride_h + j * p.ix_stride_k];
-    if (token < 0 || token >= tokens) continue;  // warp-uniform
-    const int64_t koff = pkv_cache_token_offset(&p.k, token, kvh);
-    float dot = 0.0f;
-    for (int c = lane; c < d_shared; c += kWarp)
-      dot += qs[c] * cache_value(p.k, p.k_scales, koff, token, kvh, c, p.quant_group);
-    for (int64_t c = lane + kSparseSharedD; c < d; c += kWarp)
-      dot += pkv_load_f32(p.q.data, q_off + c, p.q.dtype) * cache_value(p.k, p.k_scales, koff, token, kvh, c,
-                                                                        p.quant_group);
-    dot = warp_sum(dot) * p.score_scale;
-    const float s = (p.softcap > 0.0f ? p.softcap * tanhf(dot / p.softcap) : dot) * 1.4426950408889634f;
-    const float m_new = s > m || s != s ? s : m;
-    const float corr = m == -INFINITY ? 0.0f : exp2f(m - m_new), w = exp2f(s - m_new);
-    l = l * corr + w;
-    m = m_new;
-    const int64_t voff = pkv_cache_token_offset(&p.v, token, kvh);
+    for (int i = 0; i < 4; i++) {
+      const uint16_t two = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+      const float2 f = kCache == PKV_DTYPE_FP8_E4M3 ? e4m3x2_to_float2(two) : e5m2x2_to_float2(two);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4 *>(tile + tile_elem_offset<2>(r, u * 8, kTileRows));
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int i = 0; i < kSparseLaneDv; i++) {
-      const int64_t c = lane + i * kWarp;
-      const float v = c < dv ? cache_value(p.v, p.v_scales, voff, token, kvh, c, p.quant_group) : 0.0f;
-      acc[i] = acc[i] * corr + w * v;
+    for (int i = 0; i < 4; i++) {
+      if constexpr (kCache == PKV_DTYPE_BF16) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&w[i]));
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+      }
     }
   }
-  float inv, lse;
-  pkv_softmax_finish(m == -INFINITY ? 0.0f : m, l, p.sinks ? p.sinks[head * p.sinks_stride] : -INFINITY, &inv, &lse);
-  const int64_t o_off = t * p.out.stride_row + head * p.out.stride_head;
-#pragma unroll
-  for (int i = 0; i < kSparseLaneDv; i++) {
-    const int64_t c = lane + i * kWarp;
-    if (c < dv) pkv_store_f32(p.out.data, o_off + c, p.out.dtype, acc[i] * inv);
+}
+
+// Thread t < kTileRows decodes list entry `first + t`: (page, slot), or page
+// -1 for -1, an out-of-range token or a position past the list.
+__device__ __forceinline__ void fill_sparse_row(TileRows *rows, const int32_t *list, int64_t stride, int64_t count,
+                                                int64_t first, int64_t tokens, int64_t page_size) {
+  const int t = threadIdx.x;
+  if (t >= kTileRows) return;
+  int32_t page = -1, slot = 0;
+  if (first + t < count) {
+    const int64_t token = list[(first + t) * stride];
+    if (token >= 0 && token < tokens) {
+      page = static_cast<int32_t>(token / page_size);
+      slot = static_cast<int32_t>(token - page * page_size);
+    }
+  }
+  rows[t].page = page;
+  rows[t].slot = slot;
+}
+
+// FP8 scales of a tile's rows, [kTileRows][groups] floats, as 4-byte
+// cp.async copies in the tile's commit group (zeros for masked rows).
+__device__ __forceinline__ void load_tile_scales(float *dst, const pkv_cache_view &scales, const TileRows *rows,
+                                                 int64_t head, int groups) {
+  const float *base = static_cast<const float *>(scales.data);
+  for (int i = threadIdx.x; i < kTileRows * groups; i += kThreads) {
+    const int r = i / groups, g = i - r * groups;
+    const TileRows tr = rows[r];
+    const float *src = tr.page >= 0 ? base + pkv_cache_offset(&scales, tr.page, tr.slot, head) + g : base;
+    cp_async_4(dst + i, src, tr.page >= 0 ? 4u : 0u);
   }
 }
 
-}  // namespace
-}  // namespace pkv
+template <int D, int DV, pkv_dtype kCache, int kLoader>
+__device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CUtensorMap *kmap,
+                                                  const CUtensorMap *vmap, uint8_t *smem) {
+  constexpr bool kFp8 = kCache == PKV_DTYPE_FP8_E4M3 || kCache == PKV_DTYPE_FP8_E5M2;
+  constexpr int kEs = kFp8 ? 1 : 2;
+  constexpr int kUnitsK = D / 8, kUnitsV = DV / 8;  // 8-channel units of a K and a V row
+  // P V: thread -> (value unit, head lane, row slice); kPvLanes threads share a unit
+  constexpr int kPvLanes = kThreads / kUnitsV;
+  constexpr int kHeadsPerThread = (kMaxHeads + kPvLanes - 1) / kPvLanes;
+  constexpr int kHeadsPerWarp = kMaxHeads / kWarps;  // softmax: warp w owns heads w, w + 4, ...
+  static_assert(kUnitsV <= kThreads && D % 8 == 0 && DV % 8 == 0 && DV <= D, "head sizes");
 
-extern "C" pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err) {
-  if (a->v_cache.sizes[3] > pkv::kSparseMaxDv)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "flash_attn_paged_sparse: value head size %lld is not supported on CUDA (at most %d)",
-                    (long long)a->v_cache.sizes[3], pkv::kSparseMaxDv);
-  return PKV_OK;
+  const SparseParams &s = p.s;
+  const SparseSmem &L = p.smem;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t = blockIdx.x, kvh = blockIdx.y;
+  const int heads_left = static_cast<int>(s.group - static_cast<int64_t>(blockIdx.z) * kMaxHeads);
+  const int heads = heads_left < p.heads_per_cta ? heads_left : p.heads_per_cta;
+  const int64_t head0 = kvh * s.group + static_cast<int64_t>(blockIdx.z) * kMaxHeads;  // first query head
+  const int32_t *list = s.indices + t * s.ix_stride_t + (s.ix_heads == 1 ? 0 : kvh) * s.ix_stride_h;
+  const int64_t tokens = s.k.num_pages * s.k.page_size;
+  const int64_t n_tiles = (s.ix_count + kTileRows - 1) / kTileRows;
+
+  float *sq = reinterpret_cast<float *>(smem + L.q);
+  float *spart = reinterpret_cast<float *>(smem + L.scores);
+  float *sprob = reinterpret_cast<float *>(smem + L.probs);
+  float *salpha = reinterpret_cast<float *>(smem + L.alpha);
+  float *sinv = reinterpret_cast<float *>(smem + L.inv);
+  int *sunit_group = reinterpret_cast<int *>(smem + L.unit_group);
+  TileRows *srows = reinterpret_cast<TileRows *>(smem + L.rows);
+  uint64_t *sbar = reinterpret_cast<uint64_t *>(smem + L.bars);
+  float *skscale = reinterpret_cast<float *>(smem + L.k_scales);
+  // V alias of K: V's groups are K's first ones (same scale rows)
+  float *svscale = p.v_from_k ? skscale : reinterpret_cast<float *>(smem + L.v_scales);
+  const int v_groups = p.v_from_k ? p.k_groups : p.v_groups;
+
+  // ---- the CTA's query rows (any float dtype) and the FP8 group of each unit ----
+  for (int i = tid; i < heads * D; i += kThreads) {
+    const int g = i / D, c = i - g * D;
+    sq[i] = pkv_load_f32(s.q.data, t * s.q.stride_row + (head0 + g) * s.q.stride_head + c, s.q.dtype);
+  }
+  // quant_group % 8 == 0 or >= D (the plan's condition): one scale per unit
+  for (int u = tid; u < kUnitsK; u += kThreads) sunit_group[u] = kFp8 ? static_cast<int>(u * 8 / s.quant_group) : 0;
+
+  auto fill_rows = [&](int64_t it) {
+    fill_sparse_row(srows + (it % kRowBuffers) * kTileRows, list, s.ix_stride_k, s.ix_count, it * kTileRows, tokens,
+                    s.k.page_size);
+  };
+  // Start the loads of tile `it` into stage it & 1: one cp.async commit group per tile
+  // (scales, and the rows on the cp.async path) plus, for gather4, the stage's barrier.
+  auto issue = [&](int64_t it) {
+    const int stage = static_cast<int>(it & 1);
+    uint8_t *kt = smem + stage * L.stage_bytes, *vt = kt + L.v_tile;
+    const TileRows *rows = srows + (it % kRowBuffers) * kTileRows;
+    if constexpr (kFp8) {
+      load_tile_scales(skscale + stage * kTileRows * p.k_groups, s.k_scales, rows, kvh, p.k_groups);
+      if (!p.v_from_k) load_tile_scales(svscale + stage * kTileRows * v_groups, s.v_scales, rows, kvh, v_groups);
+    }
+    if constexpr (kLoader == PKV_LOADER_CP_ASYNC) {
+      load_tile_cp_async<kTileRows, kThreads>(kt, s.k, rows, kvh, D * kEs / 16, kEs, p.kv_aligned);
+      if (!p.v_from_k) load_tile_cp_async<kTileRows, kThreads>(vt, s.v, rows, kvh, DV * kEs / 16, kEs, p.kv_aligned);
+    } else if (tid == 0) {
+      constexpr int kChunksK = D * kEs / kChunkBytes, kChunksV = DV * kEs / kChunkBytes;
+      uint64_t *bar = sbar + stage;
+      uint32_t bytes = count_tile_gather4<kTileRows>(rows, kChunksK);
+      if (!p.v_from_k) bytes += count_tile_gather4<kTileRows>(rows, kChunksV);
+      mbar_arrive_expect_tx(bar, bytes);  // 0 bytes (every row masked) completes the phase at once
+      issue_tile_gather4<kTileRows>(kt, kmap, bar, rows, kvh * s.k.stride_head, p.rows_per_page, kChunksK, kEs);
+      if (!p.v_from_k)
+        issue_tile_gather4<kTileRows>(vt, vmap, bar, rows, kvh * s.v.stride_head, p.rows_per_page, kChunksV, kEs);
+    }
+    cp_async_commit();
+  };
+
+  if constexpr (kLoader == PKV_LOADER_TMA_GATHER4) {
+    if (tid == 0) {
+      prefetch_tensor_map(kmap);
+      if (!p.v_from_k) prefetch_tensor_map(vmap);
+      mbar_init(sbar, 1);
+      mbar_init(sbar + 1, 1);
+      fence_mbar_init();
+    }
+  }
+
+  // softmax state of the heads this warp owns (warp-uniform): running max (log2) and sum
+  float m_run[kHeadsPerWarp], l_run[kHeadsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; i++) m_run[i] = -INFINITY, l_run[i] = 0.0f;
+
+  // P V roles: few heads leave head lanes over, which then split the tile's rows
+  const int head_lanes = heads < kPvLanes ? heads : kPvLanes, row_slices = kPvLanes / head_lanes;
+  const int pv_unit = tid % kUnitsV, pv_rest = tid / kUnitsV;
+  const bool pv_active = pv_rest < head_lanes * row_slices;
+  const int pv_lane = pv_rest % head_lanes, pv_slice = pv_rest / head_lanes;
+  const int pv_group = kFp8 ? static_cast<int>(pv_unit * 8 / s.quant_group) : 0;
+  float acc[kHeadsPerThread][8];
+#pragma unroll
+  for (int i = 0; i < kHeadsPerThread; i++)
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[i][e] = 0.0f;
+
+  if (n_tiles > 0) {
+    fill_rows(0);
+    __syncthreads();  // rows of tile 0, the barrier init, Q
+    issue(0);
+  }
+  for (int64_t it = 0; it < n_tiles; it++) {
+    const bool has_next = it + 1 < n_tiles;
+    const int stage = static_cast<int>(it & 1);
+    if (has_next) fill_rows(it + 1);
+    // (A) the next tile's rows are published, and every thread is done with the
+    // stage the next loads overwrite (last read by tile it - 1)
+    __syncthreads();
+    if (has_next) issue(it + 1);
+    if (has_next)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    if constexpr (kLoader == PKV_LOADER_TMA_GATHER4) mbar_wait(sbar + stage, static_cast<uint32_t>((it >> 1) & 1));
+    __syncthreads();  // (B) tile it is complete for every thread (other threads' copies)
+
+    const TileRows *rows = srows + (it % kRowBuffers) * kTileRows;
+    const uint8_t *kt = smem + stage * L.stage_bytes;
+    const uint8_t *vt = p.v_from_k ? kt : kt + L.v_tile;
+
+    // ---- scores: lane = tile row, warp = a quarter of the K units; every K unit is
+    // decoded once and used for all heads ----
+    {
+      const float *kscale = skscale + (stage * kTileRows + lane) * p.k_groups;
+      float part[kMaxHeads];
+#pragma unroll
+      for (int g = 0; g < kMaxHeads; g++) part[g] = 0.0f;
+      for (int u = warp; u < kUnitsK; u += kWarps) {
+        float k8[8];
+        tile_unit8<kCache>(kt, lane, u, k8);
+        if constexpr (kFp8) {
+          const float sc = kscale[sunit_group[u]];
+#pragma unroll
+          for (int e = 0; e < 8; e++) k8[e] *= sc;
+        }
+#pragma unroll
+        for (int g = 0; g < kMaxHeads; g++) {
+          if (g >= heads) break;
+          const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + u * 8);
+          const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + u * 8 + 4);
+          part[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] + qb.x * k8[4] + qb.y * k8[5] +
+                     qb.z * k8[6] + qb.w * k8[7];
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kMaxHeads; g++)
+        if (g < heads) spart[(warp * heads + g) * kTileRows + lane] = part[g];
+    }
+    __syncthreads();  // (C) score partials complete
+
+    // ---- online softmax (log2 domain): warp w owns heads w, w + 4, ...; lane = tile row ----
+#pragma unroll
+    for (int i = 0; i < kHeadsPerWarp; i++) {
+      const int g = warp + i * kWarps;
+      if (g >= heads) break;  // warp-uniform
+      float x = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; w++) x += spart[(w * heads + g) * kTileRows + lane];
+      x *= p.score_scale;
+      if (p.softcap_log2 > 0.0f) x = tanhf(x) * p.softcap_log2;
+      const float sc = rows[lane].page >= 0 ? x : -INFINITY;
+      // fmaxf drops a NaN score, but its 2^(s - m) is NaN and makes the sum (and the row) NaN,
+      // as pkv_softmax_finish expects
+      const float m_new = fmaxf(m_run[i], warp_max(sc));
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a head that saw nothing yet
+      const float alpha = exp2f(m_run[i] - m_use);
+      const float prob = exp2f(sc - m_use);
+      l_run[i] = l_run[i] * alpha + warp_sum(prob);
+      m_run[i] = m_new;
+      sprob[g * kTileRows + lane] = prob;
+      if (lane == 0) salpha[g] = alpha;
+    }
+    __syncthreads();  // (D) probabilities and rescales complete
+
+    // ---- O += P V: thread = (value unit, head lane, row slice); masked rows skipped ----
+    if (pv_active) {
+#pragma unroll
+      for (int i = 0; i < kHeadsPerThread; i++) {
+        const int g = pv_lane + i * head_lanes;
+        if (g >= heads) break;
+        const float alpha = salpha[g];
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[i][e] *= alpha;
+      }
+      const float *vscale = svscale + stage * kTileRows * v_groups;
+      for (int j = pv_slice; j < kTileRows; j += row_slices) {
+        if (rows[j].page < 0) continue;
+        float v8[8];
+        tile_unit8<kCache>(vt, j, pv_unit, v8);
+        if constexpr (kFp8) {
+          const float sc = vscale[j * v_groups + pv_group];
+#pragma unroll
+          for (int e = 0; e < 8; e++) v8[e] *= sc;
+        }
+#pragma unroll
+        for (int i = 0; i < kHeadsPerThread; i++) {
+          const int g = pv_lane + i * head_lanes;
+          if (g >= heads) break;
+          const float prob = sprob[g * kTileRows + j];
+#pragma unroll
+          for (int e = 0; e < 8; e++) acc[i][e] += prob * v8[e];
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalisers (the sink joins here), row-slice sums in a fixed
+  // order (deterministic), one coalesced pass over the output ----
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; i++) {
+    const int g = warp + i * kWarps;
+    if (g >= heads) break;
+    if (lane == 0) {
+      float inv, lse;
+      const float sink = s.sinks ? s.sinks[(head0 + g) * s.sinks_stride] : -INFINITY;
+      pkv_softmax_finish(m_run[i] == -INFINITY ? 0.0f : m_run[i], l_run[i], sink, &inv, &lse);
+      sinv[g] = inv;
+    }
+  }
+  __syncthreads();  // every tile consumed (the last one waited for all copies): the stages are free
+  float *sums = reinterpret_cast<float *>(smem);  // [row_slices][heads][DV]
+  if (pv_active) {
+#pragma unroll
+    for (int i = 0; i < kHeadsPerThread; i++) {
+      const int g = pv_lane + i * head_lanes;
+      if (g >= heads) break;
+      float *dst = sums + (pv_slice * heads + g) * DV + pv_unit * 8;
+      *reinterpret_cast<float4 *>(dst) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      *reinterpret_cast<float4 *>(dst + 4) = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < heads * DV; i += kThreads) {
+    const int g = i / DV, c = i - g * DV;
+    float v = 0.0f;
+    for (int r = 0; r < row_slices; r++) v += sums[r * heads * DV + i];
+    pkv_store_f32(s.out.data, t * s.out.stride_row + (head0 + g) * s.out.stride_head + c, s.out.dtype, v * sinv[g]);
+  }
 }
 
-extern "C" cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t stream) {
-  using namespace pkv;
+template <int D, int DV, pkv_dtype kCache, int kLoader>
+__global__ void __launch_bounds__(kThreads)
+    sparse_tiled_kernel(const __grid_constant__ TiledParams p, const __grid_constant__ CUtensorMap kmap,
+                        const __grid_constant__ CUtensorMap vmap) {
+  if constexpr (loader_compiled<kLoader>()) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    sparse_tiled_body<D, DV, kCache, kLoader>(p, &kmap, &vmap, smem);
+  } else {
+    __trap();  // a loader this target cannot run: the host never launches it
+  }
+}
+
+// ---------------------------------------------------------------- host: launch
+
+// Largest dynamic shared memory a kernel of `device` may opt into, read once per device.
+int device_smem_optin(int device) {
+  constexpr int kDevices = 64;
+  static int value[kDevices];
+  static std::once_flag once[kDevices];
+  auto query = [device] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;
+    }
+    return v;
+  };
+  if (device < 0 || device >= kDevices) return query();
+  std::call_once(once[device], [&] { value[device] = query(); });
+  return value[device];
+}
+
+template <int D, int DV, pkv_dtype kCache, int kLoader>
+cudaError_t launch_tiled(const TiledParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
+                         cudaStream_t stream) {
+  auto kernel = sparse_tiled_kernel<D, DV, kCache, kLoader>;
+  // The opt-in covers every layout this kernel can need: set once per device (the first,
+  // eager call; a captured graph's launches then need nothing).
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_smem_optin(device)));
+    configured.fetch_or(bit);
+  }
+  kernel<<<grid, kThreads, p.smem.bytes + 1024, stream>>>(p, kmap, vmap);
+  return cudaGetLastError();
+}
+
+template <int D, int DV, pkv_dtype kCache>
+cudaError_t dispatch_loader(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
+                            const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  // gather4 boxes are whole 128-byte chunks of a row (tma_rows_ok): no instantiation for rows
+  // that are not (FP8 D 64 / 96 / 576), the plan never picks it there
+  constexpr int kEs = kCache == PKV_DTYPE_FP8_E4M3 || kCache == PKV_DTYPE_FP8_E5M2 ? 1 : 2;
+  if constexpr (D * kEs % kChunkBytes == 0 && DV * kEs % kChunkBytes == 0) {
+    if (loader == PKV_LOADER_TMA_GATHER4)
+      return launch_tiled<D, DV, kCache, PKV_LOADER_TMA_GATHER4>(p, kmap, vmap, grid, stream);
+  } else {
+    if (loader == PKV_LOADER_TMA_GATHER4) return cudaErrorInvalidValue;
+  }
+  return launch_tiled<D, DV, kCache, PKV_LOADER_CP_ASYNC>(p, kmap, vmap, grid, stream);
+}
+
+template <int D, int DV>
+cudaError_t dispatch_dtype(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
+                           const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  switch (p.s.k.dtype) {
+  case PKV_DTYPE_BF16: return dispatch_loader<D, DV, PKV_DTYPE_BF16>(p, loader, kmap, vmap, grid, stream);
+  case PKV_DTYPE_F16: return dispatch_loader<D, DV, PKV_DTYPE_F16>(p, loader, kmap, vmap, grid, stream);
+  case PKV_DTYPE_FP8_E4M3: return dispatch_loader<D, DV, PKV_DTYPE_FP8_E4M3>(p, loader, kmap, vmap, grid, stream);
+  case PKV_DTYPE_FP8_E5M2: return dispatch_loader<D, DV, PKV_DTYPE_FP8_E5M2>(p, loader, kmap, vmap, grid, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dispatch_head_dims(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
+                               const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  const int64_t d = p.s.k.head_dim, dv = p.s.v.head_dim;
+  if (d == 64 && dv == 64) return dispatch_dtype<64, 64>(p, loader, kmap, vmap, grid, stream);
+  if (d == 96 && dv == 96) return dispatch_dtype<96, 96>(p, loader, kmap, vmap, grid, stream);
+  if (d == 128 && dv == 128) return dispatch_dtype<128, 128>(p, loader, kmap, vmap, grid, stream);
+  if (d == 256 && dv == 256) return dispatch_dtype<256, 256>(p, loader, kmap, vmap, grid, stream);
+  if (d == 576 && dv == 512) return dispatch_dtype<576, 512>(p, loader, kmap, vmap, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+// ---------------------------------------------------------------- host: plan
+
+SparseParams sparse_params(const pkv_sparse_args *a) {
   SparseParams p{};
   p.q = pkv_rows_view_from(&a->q);
   p.out = pkv_rows_view_from(&a->out);
@@ -119,10 +528,164 @@ extern "C" cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t st
   p.quant_group = a->quant_group;
   p.score_scale = static_cast<float>(a->scale);
   p.softcap = static_cast<float>(a->softcap);
-  const int64_t items = p.q.num_rows * p.q.num_heads, per_block = kSparseThreads / kWarp;
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  sparse_kernel<<<static_cast<unsigned>(blocks), kSparseThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p;
 }
+
+bool same_view(const pkv_cache_view &a, const pkv_cache_view &b) {
+  return a.data == b.data && a.dtype == b.dtype && a.stride_page == b.stride_page &&
+         a.stride_token == b.stride_token && a.stride_head == b.stride_head;
+}
+
+// V is the first Dv columns of the K rows (and, for FP8, its scales the first groups of K's):
+// the K-only / MLA layout, where only K is loaded.
+bool v_is_k_prefix(const SparseParams &s) {
+  if (!same_view(s.k, s.v) || s.v.head_dim > s.k.head_dim) return false;
+  return !pkv_dtype_is_fp8(s.k.dtype) || same_view(s.k_scales, s.v_scales);
+}
+
+// Why the tiled kernel cannot serve these arguments, or null when it can (the loader aside).
+const char *tiled_refusal(const SparseParams &s) {
+  const pkv_dtype kd = s.k.dtype;
+  if (kd != s.v.dtype) return "K and V of different dtypes";
+  if (kd != PKV_DTYPE_BF16 && kd != PKV_DTYPE_F16 && !pkv_dtype_is_fp8(kd)) return "a float32 cache";
+  bool dims = false;
+  for (const auto &dd : kTiledHeadDims) dims |= dd[0] == s.k.head_dim && dd[1] == s.v.head_dim;
+  if (!dims) return "this (D, Dv) pair (64, 96, 128, 256 or (576, 512))";
+  if (pkv_dtype_is_fp8(kd) && s.quant_group % 8 != 0 && s.quant_group < s.k.head_dim)
+    return "an FP8 quant_group that is neither a multiple of 8 nor >= D";
+  return nullptr;
+}
+
+bool gather4_fits(const SparseParams &s, bool v_from_k) {
+  if (!tma_rows_ok(s.k)) return false;
+  if (v_from_k) return true;
+  return tma_rows_ok(s.v) && pkv_cache_rows_per_page(&s.k) == pkv_cache_rows_per_page(&s.v);
+}
+
+cudaError_t encode_sparse_maps(const SparseParams &s, bool v_from_k, CUtensorMap *kmap, CUtensorMap *vmap) {
+  PKV_CUDA_TRY(tma_map_rows(kmap, s.k));
+  if (v_from_k) {
+    *vmap = *kmap;  // unused
+    return cudaSuccess;
+  }
+  return tma_map_rows(vmap, s.v);
+}
+
+TiledParams tiled_params(const SparseParams &s) {
+  TiledParams p{};
+  p.s = s;
+  const int64_t group = s.group;
+  p.heads_per_cta = static_cast<int>(group < kMaxHeads ? group : kMaxHeads);
+  p.v_from_k = v_is_k_prefix(s);
+  const bool fp8 = pkv_dtype_is_fp8(s.k.dtype);
+  const int es = fp8 ? 1 : 2;
+  p.kv_aligned = pkv_cache_aligned(&s.k, es, 16) && pkv_cache_aligned(&s.v, es, 16);
+  p.k_groups = fp8 ? static_cast<int>(pkv_num_groups(s.k.head_dim, s.quant_group)) : 0;
+  p.v_groups = fp8 ? static_cast<int>(pkv_num_groups(s.v.head_dim, s.quant_group)) : 0;
+  p.rows_per_page = pkv_cache_rows_per_page(&s.k);
+  if (s.softcap > 0.0f) {
+    p.score_scale = s.score_scale / s.softcap;
+    p.softcap_log2 = s.softcap * kLog2e;
+  } else {
+    p.score_scale = s.score_scale * kLog2e;
+    p.softcap_log2 = 0.0f;
+  }
+  p.smem = sparse_smem(static_cast<int>(s.k.head_dim), static_cast<int>(s.v.head_dim), es, p.v_from_k,
+                       p.heads_per_cta, p.k_groups, p.v_groups);
+  return p;
+}
+
+// PAGEDKV_CUDA_SPARSE_KERNEL=portable forces the portable kernel (read per call, like
+// PAGEDKV_CUDA_SPLITS), so tests can compare both kernels on the same arguments.
+bool portable_forced() {
+  const char *v = std::getenv("PAGEDKV_CUDA_SPARSE_KERNEL");
+  return v != nullptr && std::strcmp(v, "portable") == 0;
+}
+
+}  // namespace
+}  // namespace pkv
+
+extern "C" {
+
+pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err) {
+  if (a->v_cache.sizes[3] > pkv::kSparsePortableMaxDv)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "flash_attn_paged_sparse: value head size %lld is not supported on CUDA (at most %d)",
+                    (long long)a->v_cache.sizes[3], pkv::kSparsePortableMaxDv);
+  return PKV_OK;
+}
+
+pkv_status pkv_cuda_sparse_plan_make(const pkv_sparse_args *a, int device, int force_loader,
+                                     pkv_cuda_sparse_plan *plan, pkv_error *err) {
+  using namespace pkv;
+  const char *op = "flash_attn_paged_sparse";
+  *plan = pkv_cuda_sparse_plan{};
+  plan->loader = PKV_LOADER_CP_ASYNC;
+  const SparseParams s = sparse_params(a);
+  const bool forced = force_loader >= 0;
+  if (forced && force_loader != PKV_LOADER_CP_ASYNC && force_loader != PKV_LOADER_TMA_GATHER4)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this call on CUDA (the sparse kernel "
+                    "loads listed rows with cp.async or tma-gather4)", op,
+                    pkv_loader_name(static_cast<pkv_loader>(force_loader)));
+  if (!forced && portable_forced()) return PKV_OK;
+
+  const char *why = tiled_refusal(s);
+  const TiledParams p = tiled_params(s);
+  if (why == nullptr && p.smem.bytes + 1024 > device_smem_optin(device)) why = "too little shared memory per block";
+  if (why != nullptr) {
+    if (!forced) return PKV_OK;  // the portable kernel
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this call on CUDA (the tiled kernel does "
+                    "not serve %s)", op, pkv_loader_name(static_cast<pkv_loader>(force_loader)), why);
+  }
+  // gather4: what the dense plan asks of it (cc 10.x and sm_100a code in the binary, probed on
+  // flash_attn_paged's gather4 kernel: every .cu is built for the same targets; 16-byte strides,
+  // whole 128-byte head rows, rows < 2^31), else cp.async
+  pkv_loader loader = PKV_LOADER_CP_ASYNC;
+  const bool want_gather4 = forced ? force_loader == PKV_LOADER_TMA_GATHER4 : true;
+  if (want_gather4) {
+    CUtensorMap kmap, vmap;
+    const bool ok = pkv_cuda_loader_available(device, PKV_LOADER_TMA_GATHER4) && gather4_fits(s, p.v_from_k) &&
+                    encode_sparse_maps(s, p.v_from_k, &kmap, &vmap) == cudaSuccess;
+    if (ok)
+      loader = PKV_LOADER_TMA_GATHER4;
+    else if (forced)
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader tma-gather4 %s on CUDA device %d", op,
+                      pkv_cuda_loader_available(device, PKV_LOADER_TMA_GATHER4) ? "does not fit this cache view"
+                                                                                : "is not available",
+                      device);
+  }
+  if (loader == PKV_LOADER_CP_ASYNC && !pkv_cuda_loader_available(device, PKV_LOADER_CP_ASYNC)) {
+    if (!forced) return PKV_OK;
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader cp.async is not available on CUDA device %d", op, device);
+  }
+  plan->tiled = 1;
+  plan->loader = loader;
+  plan->smem_bytes = p.smem.bytes + 1024;
+  return PKV_OK;
+}
+
+cudaError_t pkv_cuda_sparse_run(const pkv_sparse_args *a, const pkv_cuda_sparse_plan *plan, cudaStream_t stream) {
+  using namespace pkv;
+  const SparseParams s = sparse_params(a);
+  if (s.q.num_rows == 0) return cudaSuccess;
+  if (!plan->tiled) return launch_sparse_portable(s, stream);
+  const TiledParams p = tiled_params(s);
+  CUtensorMap kmap{}, vmap{};
+  if (plan->loader == PKV_LOADER_TMA_GATHER4) PKV_CUDA_TRY(encode_sparse_maps(s, p.v_from_k, &kmap, &vmap));
+  const int64_t chunks = (s.group + kMaxHeads - 1) / kMaxHeads;
+  if (s.q.num_rows > 0x7fffffff || s.k.num_heads > 65535 || chunks > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(s.q.num_rows), static_cast<unsigned>(s.k.num_heads),
+                  static_cast<unsigned>(chunks));
+  return dispatch_head_dims(p, plan->loader, kmap, vmap, grid, stream);
+}
+
+cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t stream) {
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  pkv_cuda_sparse_plan plan;
+  pkv_error err{};
+  if (pkv_cuda_sparse_plan_make(a, device, -1, &plan, &err) != PKV_OK) plan = pkv_cuda_sparse_plan{};
+  return pkv_cuda_sparse_run(a, &plan, stream);
+}
+
+}  // extern "C"

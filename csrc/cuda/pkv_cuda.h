@@ -20,7 +20,8 @@
 extern "C" {
 #endif
 
-/* K/V tile loaders of flash_attn_paged. All fill the same shared-memory image
+/* K/V tile loaders of flash_attn_paged (cp.async and gather4 also load
+ * flash_attn_paged_sparse's listed rows). All fill the same shared-memory image
  * (see tile.cuh); the host picks one from the device's compute capability and
  * from what the fat binary really holds for that device. */
 typedef enum {
@@ -66,9 +67,28 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
 cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
                           float *partial_lse, cudaStream_t stream);
 
-/* ---- flash_attn_paged_sparse (validated args) ---- */
+/* ---- flash_attn_paged_sparse (validated args) ----
+ * Two kernels: the tiled one (listed K/V rows staged in shared memory by
+ * cp.async or, on sm_100a, TMA gather4; one CTA per query row and KV head)
+ * and the portable one (warp per row and query head, plain loads) for what
+ * the tiled one does not serve. pkv_cuda_sparse plans with the best loader
+ * on the current device and launches. */
 pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err);
 cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t stream);
+
+typedef struct {
+  int tiled;          /* 1: the tiled kernel with `loader`; 0: the portable kernel */
+  pkv_loader loader;  /* PKV_LOADER_CP_ASYNC or PKV_LOADER_TMA_GATHER4 */
+  int64_t smem_bytes; /* dynamic shared memory of the tiled kernel */
+} pkv_cuda_sparse_plan;
+
+/* From shapes only. force_loader: -1 picks the best (gather4 where it fits, else cp.async, else the
+ * portable kernel; PAGEDKV_CUDA_SPARSE_KERNEL=portable forces the portable one); 0 or 2 the tiled
+ * kernel with that loader, or PKV_ERR_UNSUPPORTED ("does not fit" / "is not available") when it
+ * cannot run this call; 1 (tma-pages) is not a sparse loader: PKV_ERR_UNSUPPORTED. */
+pkv_status pkv_cuda_sparse_plan_make(const pkv_sparse_args *a, int device, int force_loader,
+                                     pkv_cuda_sparse_plan *plan, pkv_error *err);
+cudaError_t pkv_cuda_sparse_run(const pkv_sparse_args *a, const pkv_cuda_sparse_plan *plan, cudaStream_t stream);
 
 /* ---- merge_attn_states (validated args; element-wise, any head size) ---- */
 cudaError_t pkv_cuda_merge(const pkv_merge_args *a, cudaStream_t stream);

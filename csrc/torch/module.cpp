@@ -19,7 +19,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_cuda") = true;
   m.attr("cuda_loader_names") = pybind11::make_tuple("cp.async", "tma-pages", "tma-gather4");
   m.def("set_cuda_loader", &pagedkv::set_cuda_loader, pybind11::arg("loader"),
-        "Force the K/V loader of flash_attn_paged on CUDA: -1 auto, 0 cp.async, 1 tma-pages, 2 tma-gather4.");
+        "Force the K/V loader of flash_attn_paged and flash_attn_paged_sparse on CUDA: -1 auto, 0 cp.async, "
+        "1 tma-pages (dense only), 2 tma-gather4.");
   m.def("cuda_loader", &pagedkv::cuda_loader);
   m.def("cuda_loader_available", &pagedkv::cuda_loader_available, pybind11::arg("device"), pybind11::arg("loader"),
         "Whether the loader was compiled for and runs on the CUDA device.");

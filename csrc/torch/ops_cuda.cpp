@@ -182,7 +182,10 @@ at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k
   check_args<pkv_sparse_args>(a, pkv_sparse_check, {{&pkv_sparse_args::indices, &indices}});
   pkv_error err{};
   raise_if_failed(pkv_cuda_sparse_supported(&a, &err), err);
-  raise_cuda(pkv_cuda_sparse(&a, c10::cuda::getCurrentCUDAStream()));
+  // the forced loader (set_cuda_loader) applies here too: cp.async or tma-gather4 for the tiled kernel
+  pkv_cuda_sparse_plan plan{};
+  raise_if_failed(pkv_cuda_sparse_plan_make(&a, q.get_device(), cuda_loader(), &plan, &err), err);
+  raise_cuda(pkv_cuda_sparse_run(&a, &plan, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
