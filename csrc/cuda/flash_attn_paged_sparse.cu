@@ -184,6 +184,7 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
   constexpr int kHeadsPerThread = (kMaxHeads + kPvLanes - 1) / kPvLanes;
   constexpr int kHeadsPerWarp = kMaxHeads / kWarps;  // softmax: warp w owns heads w, w + 4, ...
   static_assert(kUnitsV <= kThreads && D % 8 == 0 && DV % 8 == 0 && DV <= D, "head sizes");
+  static_assert(kTileRows == kWarp && kMaxHeads % kWarps == 0, "lane = tile row; warp w owns heads w, w + 4, ...");
 
   const SparseParams &s = p.s;
   const SparseSmem &L = p.smem;
