@@ -7,7 +7,10 @@
 #  (b) Otherwise compile every csrc/cuda/*.cu with nvcc for sm_80, sm_90a and sm_100a.
 #  Then, either way, check that the sm_100a code really contains the TMA gather4 load: grep
 #  the PTX for tile::gather4, and count the UTMALDG words with the gather4 mode bit in the
-#  sm_100a cubin (.ci/sass_tma_count.py decodes the ELF; cuobjdump is not installed here).
+#  sm_100a cubin (.ci/sass_tma_count.py decodes the ELF; cuobjdump is not installed here);
+#  and that flash_attn_paged_sparse's tiled kernels hold their loader's instructions:
+#  UTMALDG.2D.GATHER4 in every gather4 kernel on sm_100a, LDGSTS (cp.async) in every
+#  cp.async kernel on sm_80 and sm_90a.
 #
 # Environment: PAGEDKV_CUDA_VENV (default /tmp/pagedkv-cuda-venv), PAGEDKV_CUDA_SRC (default
 # /tmp/pagedkv-cuda-src: a copy of the tree so the checkout's own CPU build is untouched;
@@ -95,7 +98,8 @@ from pagedkv import _C
 print(f"torch {torch.__version__} cuda {torch.version.cuda}; pagedkv with_cuda={_C.with_cuda}; "
       f"cuda available={torch.cuda.is_available()}")
 ok = bool(_C.with_cuda)
-for op in ["paged_store", "paged_load", "flash_attn_paged", "flash_attn_paged.out", "debug_load_tile"]:
+for op in ["paged_store", "paged_load", "flash_attn_paged", "flash_attn_paged.out", "flash_attn_paged_sparse",
+           "debug_load_tile"]:
     has = torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedkv::{op}", "CUDA")
     print(f"  pagedkv::{op:22s} CUDA kernel registered: {has}")
     ok &= has
@@ -177,6 +181,35 @@ if [ "${g4_all:-0}" -gt 0 ] && [ "$g4_all" = "$g4_bit" ] && [ "${pg_all:-0}" -gt
 else
   fail "unexpected TMA instruction counts"
 fi
+
+# ---------------------------------------------------------------- the sparse kernel's loaders in SASS
+# flash_attn_paged_sparse.cu: every tiled gather4 kernel (template loader 2) on sm_100a holds
+# UTMALDG words, all with the gather4 bit; every tiled cp.async kernel (loader 0) on sm_80 and
+# sm_90a holds LDGSTS (cp.async) words and no TMA load.
+say "checking the sparse kernel's SASS (gather4 on sm_100a, cp.async on sm_80 / sm_90a)"
+sparse_sass() {  # $1 target, $2 loader template argument, $3 what each kernel must show
+  local t=$1 loader=$2 want=$3 cubin="$WORK/flash_attn_paged_sparse_sm_$1.cubin" lines
+  if ! nvcc "${NVCC_FLAGS[@]}" -gencode="arch=compute_$t,code=sm_$t" -cubin \
+    "$ROOT/csrc/cuda/flash_attn_paged_sparse.cu" -o "$cubin"; then
+    fail "cubin of flash_attn_paged_sparse.cu for sm_$t"
+    return
+  fi
+  lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$cubin" sparse_tiled_kernel "Li${loader}EEEvNS0_11TiledParams" | grep -v TOTAL)
+  local n bad
+  n=$(echo "$lines" | grep -c . || true)
+  case "$want" in
+  gather4) bad=$(echo "$lines" | awk '$1 == 0 || $1 != $2' | grep -c . || true) ;;
+  cp.async) bad=$(echo "$lines" | awk '$3 == 0 || $1 != 0' | grep -c . || true) ;;
+  esac
+  say "sm_$t, $n sparse $want kernels (UTMALDG / with gather4 bit / LDGSTS per kernel):" \
+    "$(echo "$lines" | awk '{print $1 "/" $2 "/" $3}' | sort | uniq -c | awk '{print $2 " x" $1}' | tr '\n' ' ')"
+  if [ "${n:-0}" -eq 0 ] || [ "${bad:-1}" != 0 ]; then
+    fail "sparse $want kernels on sm_$t: $bad of $n without the expected instructions"
+  fi
+}
+sparse_sass 100a 2 gather4
+sparse_sass 90a 0 cp.async
+sparse_sass 80 0 cp.async
 
 say "total $(($(date +%s) - START)) s"
 if [ "$FAILED" = 0 ]; then

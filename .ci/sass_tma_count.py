@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""Count TMA load instructions in a cubin without cuobjdump (not installed here).
+"""Count TMA and cp.async load instructions in a cubin without cuobjdump (not installed here).
 
 Reads the ELF sections `.text.<kernel>` of a cubin and looks at each 128-bit SASS
 word. On sm_90/sm_100 the TMA load (UTMALDG) has opcode 0x5b4 in the low 12 bits;
 the gather4 form differs from a plain tile load by one mode bit (bit 84 of the
 word, i.e. bit 20 of the high 64 bits), as measured in shared/notes/TMA.md (1.4)
 by diffing a gather4 kernel against an otherwise identical 2-D tile kernel.
+cp.async (LDGSTS, every width) has opcode 0xfae on sm_80, sm_90a and sm_100a.
+Both opcodes were cross-checked against `cuobjdump --dump-sass` (13.2, from the
+nvidia-cuda-cuobjdump wheel) on the nvcc 13.0 cubins of debug_tile.cu and
+flash_attn_paged_sparse.cu: the same counts per kernel.
 
-usage: sass_tma_count.py FILE.cubin [kernel-name-substring]
-prints one line per kernel: <tma loads> <of which gather4> <name>
+usage: sass_tma_count.py FILE.cubin [kernel-name-substring]...
+prints one line per kernel whose name holds every substring:
+<tma loads> <of which gather4> <cp.async loads> <name>
 """
 import struct
 import sys
 
 UTMALDG = 0x5B4
 GATHER4_BIT = 1 << 20  # in the high 64 bits
+LDGSTS = 0xFAE
 
 
 def sections(path):
@@ -33,21 +39,24 @@ def sections(path):
 
 def main():
     path = sys.argv[1]
-    want = sys.argv[2] if len(sys.argv) > 2 else ""
-    total = total_g4 = 0
+    wants = sys.argv[2:]
+    total = total_g4 = total_cp = 0
     for name, blob in sections(path):
-        if not name.startswith(".text.") or want not in name:
+        if not name.startswith(".text.") or not all(w in name for w in wants):
             continue
-        loads = gather4 = 0
+        loads = gather4 = cp_async = 0
         for i in range(0, len(blob) - 15, 16):
             lo, hi = struct.unpack_from("<QQ", blob, i)
             if (lo & 0xFFF) == UTMALDG:
                 loads += 1
                 gather4 += bool(hi & GATHER4_BIT)
+            elif (lo & 0xFFF) == LDGSTS:
+                cp_async += 1
         total += loads
         total_g4 += gather4
-        print(f"{loads:6d} {gather4:6d} {name[6:]}")
-    print(f"{total:6d} {total_g4:6d} TOTAL")
+        total_cp += cp_async
+        print(f"{loads:6d} {gather4:6d} {cp_async:6d} {name[6:]}")
+    print(f"{total:6d} {total_g4:6d} {total_cp:6d} TOTAL")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ replay. Ceilings measured first in the same process: device-to-device copy bandw
 (1 GiB, bytes read + written) and an 8192^3 bf16 matmul. Page tables are random
 permutations of the physical pages.
 
+Top-k sparse decode (flash_attn_paged_sparse, K = 2048 listed of L = 65536 tokens) is timed as a
+graph replay per sparse loader (cp.async, TMA gather4 where the device runs it) and with the portable
+kernel, next to dense decode over all L.
+
 Peers (same values, same process): SDPA on contiguous K/V (backend reported), gather of
 the pages with torch + SDPA, FlexAttention with torch's experimental PagedAttention (when
 it runs on this torch; otherwise the reason is recorded).
@@ -254,6 +258,62 @@ def bench_store_load(timer, cfg, ceil):
             "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch}
 
 
+SPARSE_LOADERS = {"cp.async": 0, "tma-gather4": 2}
+
+
+def bench_sparse(timer, cfg, ceil):
+    """Top-k decode: each of B rows attends over K listed tokens (random, per KV head) of its
+    L-token row, per sparse loader and with the portable kernel; dense decode over all L alongside.
+    MLA (D 576): K-only pool, V = the first 512 columns of K."""
+    b, L, k, hq, hk, d, page, dtype = (cfg[x] for x in ("B", "L", "K", "Hq", "Hk", "D", "P", "dtype"))
+    mla = d == 576
+    pool = make_pool(b, [L] * b, hk, d, page, dtype)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn((b, hq, d), device=DEV, dtype=torch.bfloat16, generator=g)
+    # K distinct positions per (row, KV head), encoded through the row's pages as page * P + slot
+    pos = torch.argsort(torch.rand((b, hk, L), device=DEV, generator=g), dim=-1)[..., :k]
+    phys = torch.gather(pool["table"].long().unsqueeze(1).expand(b, hk, -1), 2, pos // page)
+    indices = (phys * page + pos % page).to(torch.int32)
+    kc = pool["k"]
+    vc = kc[..., :512] if mla else pool["v"]
+    vs = pool["ks"] if mla else pool["vs"]
+    out = torch.empty((b, hq, vc.shape[-1]), device=DEV, dtype=torch.bfloat16)
+
+    def sparse():
+        out.copy_(ops.flash_attn_paged_sparse(q, kc, vc, indices, None, pool["ks"], vs, 128))
+
+    es = 1 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 2
+    kv_bytes = b * hk * k * (d if mla else 2 * d) * es + (b * hk * k * 8 if es == 1 else 0)
+    res = {"op": "sparse", **{x: (str(v) if x == "dtype" else v) for x, v in cfg.items()}, "bytes": kv_bytes}
+    for name, loader in SPARSE_LOADERS.items():
+        key = f"sparse_{name}_s"
+        if not pagedkv._C.cuda_loader_available(0, loader):
+            res[key] = None
+            continue
+        pagedkv._C.set_cuda_loader(loader)
+        try:
+            res[key] = timer.graph(sparse)
+        except RuntimeError as e:  # this loader does not fit the view (e.g. gather4 on 576-byte FP8 rows)
+            res[key], res[f"{key}_note"] = None, str(e)[:120]
+        finally:
+            pagedkv._C.set_cuda_loader(-1)
+    os.environ["PAGEDKV_CUDA_SPARSE_KERNEL"] = "portable"
+    try:
+        res["sparse_portable_s"] = timer.graph(sparse)
+    finally:
+        del os.environ["PAGEDKV_CUDA_SPARSE_KERNEL"]
+    best = min((v for key, v in res.items() if key.startswith("sparse_") and key.endswith("_s") and v), default=None)
+    res["best_bw_frac_of_copy"] = kv_bytes / best / ceil["copy_bytes_per_s"] if best else None
+    if not mla:  # dense decode over all L keys (the CUDA dense kernel has no D 576)
+        offs = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+        cached = torch.full((b,), L - 1, dtype=torch.int32, device=DEV)
+        res["dense_s"] = timer.graph(lambda: ops.flash_attn_paged.out(
+            q, offs, kc, pool["v"], cached, pool["table"], None, True, pool["ks"], pool["vs"], 128, -1, 0.0, out=out))
+    del pool
+    torch.cuda.empty_cache()
+    return res
+
+
 # ----------------------------------------------------------------------------- grid
 
 
@@ -277,9 +337,13 @@ def grid(quick):
     pre += [dict(B=1, L=q, Hq=32, Hk=8, D=128, P=16, prefix=pf, id="P-append") for q in (128, 2048) for pf in
             (4096, 16384)]
     sl = [dict(T=t, dtype=dt, id="S/L") for t in (4096, 131072) for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    # top-k sparse decode: K = 2048 listed of L = 65536 cached tokens
+    sp = [dict(B=b, L=65536, K=2048, Hq=32, Hk=8, D=128, P=16, dtype=dt, id="SP-topk") for b in (1, 8)
+          for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    sp += [dict(B=8, L=65536, K=2048, Hq=16, Hk=1, D=576, P=64, dtype=torch.bfloat16, id="SP-mla")]
     if quick:
-        dec, pre, sl = dec[:3] + dec[-2:], pre[:2], sl[:2]
-    return dec, pre, sl
+        dec, pre, sl, sp = dec[:3] + dec[-2:], pre[:2], sl[:2], sp[:1]
+    return dec, pre, sl, sp
 
 
 def git_commit():
@@ -307,7 +371,7 @@ def main():
             "loaders": [n for i, n in enumerate(pagedkv._C.cuda_loader_names)
                         if pagedkv._C.cuda_loader_available(0, i)], "method": __doc__.strip().split("\n\n")[1]}
     print(json.dumps(meta, indent=1))
-    dec, pre, sl = grid(args.quick)
+    dec, pre, sl, sp = grid(args.quick)
     rows = []
     for cfg in dec:
         r = bench_decode(timer, cfg, ceil)
@@ -328,6 +392,14 @@ def main():
         print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
               f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
               flush=True)
+    for cfg in sp:
+        r = bench_sparse(timer, cfg, ceil)
+        rows.append(r)
+        bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
+        print(f"{r['id']:8s} sparse {r['dtype']:20s} B={r['B']} K={r['K']} of L={r['L']} D={r['D']} graph: "
+              f"cp.async {fmt(r['sparse_cp.async_s'])} gather4 {fmt(r['sparse_tma-gather4_s'])} "
+              f"portable {fmt(r['sparse_portable_s'])} (best {bw} of copy) | dense {fmt(r.get('dense_s'))}",
+              flush=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
     with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
@@ -347,6 +419,12 @@ def main():
                 f.write(f"| {r['id']} | prefill | B={r['B']} L={r['L']} {r['Hq']}/{r['Hk']} prefix={r.get('prefix', 0)} "
                         f"| {fmt(r['pagedkv_s'], 1e3, 'ms')} | - | {r['tflops']:.0f} TFLOP/s | "
                         f"{fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')} | - | - |\n")
+            elif r["op"] == "sparse":
+                bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
+                f.write(f"| {r['id']} | sparse {r['dtype'].replace('torch.', '')} | B={r['B']} K={r['K']} of "
+                        f"L={r['L']} D={r['D']} {r['Hq']}/{r['Hk']} | cp.async {fmt(r['sparse_cp.async_s'])}, gather4 "
+                        f"{fmt(r['sparse_tma-gather4_s'])}, portable {fmt(r['sparse_portable_s'])} | graph | {bw} | - | "
+                        f"- | dense over L: {fmt(r.get('dense_s'))} |\n")
             else:
                 f.write(f"| S/L | store/load {r['dtype'].replace('torch.', '')} | T={r['T']} | store "
                         f"{fmt(r['store_s'])}, load {fmt(r['load_s'])} | - | {100 * r['store_bw_frac']:.0f}% / "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build pagedkv for CUDA, run the whole test suite on CUDA,
-# compute-sanitizer memcheck on the CUDA tests, SASS evidence of the TMA loads, and the
-# decode/prefill/store/load benchmark grid. Everything lands in $OUT (default
+# compute-sanitizer memcheck on the CUDA tests, SASS evidence of the TMA and cp.async loads
+# (dense and sparse kernels), and the decode/prefill/store/load/sparse benchmark grid. Everything lands in $OUT (default
 # benchmarks/results/gpu-<date>; at most 8 files, the device tool's limit) and the benchmark
 # tables are copied to benchmarks/results/.
 #
@@ -75,13 +75,15 @@ if want memcheck; then
 fi
 
 if want sass; then
-  log "SASS of the shipped targets (cuobjdump): TMA loads per target"
-  for a in 90a 100a; do
-    nvcc -std=c++17 -O3 -gencode=arch=compute_$a,code=sm_$a -cubin -o "$OUT/flash_attn_paged_sm_$a.cubin" \
-      csrc/cuda/flash_attn_paged.cu 2>>"$OUT/gpu_run.log" || continue
-    cuobjdump --dump-sass "$OUT/flash_attn_paged_sm_$a.cubin" >"$OUT/sass_$a.txt" 2>&1
-    log "sm_$a: $(grep -o 'UTMALDG[.A-Z0-9]*' "$OUT/sass_$a.txt" | sort | uniq -c | tr '\n' ' ')"
-    rm -f "$OUT/flash_attn_paged_sm_$a.cubin"
+  log "SASS of the shipped targets (cuobjdump): TMA and cp.async loads per target, dense and sparse kernels"
+  for a in 80 90a 100a; do
+    for f in flash_attn_paged flash_attn_paged_sparse; do
+      nvcc -std=c++17 -O3 -gencode=arch=compute_$a,code=sm_$a -cubin -o "$OUT/${f}_sm_$a.cubin" \
+        csrc/cuda/$f.cu 2>>"$OUT/gpu_run.log" || continue
+      cuobjdump --dump-sass "$OUT/${f}_sm_$a.cubin" >"$OUT/sass_${f}_$a.txt" 2>&1
+      log "$f sm_$a: $(grep -o 'UTMALDG[.A-Z0-9]*\|LDGSTS[.A-Z0-9]*' "$OUT/sass_${f}_$a.txt" | sort | uniq -c | tr '\n' ' ')"
+      rm -f "$OUT/${f}_sm_$a.cubin"
+    done
   done
   cat "$OUT"/sass_*.txt | gzip >"$OUT/sass.txt.gz" && rm -f "$OUT"/sass_*.txt
 fi
