@@ -194,7 +194,8 @@ sparse_sass() {  # $1 target, $2 loader template argument, $3 what each kernel m
     fail "cubin of flash_attn_paged_sparse.cu for sm_$t"
     return
   fi
-  lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$cubin" sparse_tiled_kernel "Li${loader}EEEvNS0_11TiledParams" | grep -v TOTAL)
+  lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$cubin" sparse_tiled_kernel "Li${loader}EEEvNS0_11TiledParams" |
+    grep -v TOTAL)
   local n bad
   n=$(echo "$lines" | grep -c . || true)
   case "$want" in

@@ -422,9 +422,9 @@ def main():
             elif r["op"] == "sparse":
                 bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
                 f.write(f"| {r['id']} | sparse {r['dtype'].replace('torch.', '')} | B={r['B']} K={r['K']} of "
-                        f"L={r['L']} D={r['D']} {r['Hq']}/{r['Hk']} | cp.async {fmt(r['sparse_cp.async_s'])}, gather4 "
-                        f"{fmt(r['sparse_tma-gather4_s'])}, portable {fmt(r['sparse_portable_s'])} | graph | {bw} | - | "
-                        f"- | dense over L: {fmt(r.get('dense_s'))} |\n")
+                        f"L={r['L']} D={r['D']} {r['Hq']}/{r['Hk']} | cp.async {fmt(r['sparse_cp.async_s'])}, "
+                        f"gather4 {fmt(r['sparse_tma-gather4_s'])}, portable {fmt(r['sparse_portable_s'])} | graph | "
+                        f"{bw} | - | - | dense over L: {fmt(r.get('dense_s'))} |\n")
             else:
                 f.write(f"| S/L | store/load {r['dtype'].replace('torch.', '')} | T={r['T']} | store "
                         f"{fmt(r['store_s'])}, load {fmt(r['load_s'])} | - | {100 * r['store_bw_frac']:.0f}% / "
