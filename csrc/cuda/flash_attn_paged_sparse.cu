@@ -1,5 +1,9 @@
 // pagedkv CUDA backend: flash_attn_paged_sparse (top-k attention over listed
-// tokens), the tiled kernel, its host plan and the C entry points.
+// tokens), the tiled kernel and its launch: everything here instantiates or
+// launches kernels. The host plan (which kernel and loader serve a call, the
+// kernel's parameters) and the C entry points are in
+// flash_attn_sparse_plan.cu, which reaches this file through
+// flash_attn_sparse.cuh (launch_sparse_tiled, sparse_smem, device_smem_optin).
 //
 // One CTA = (query row t, KV head, chunk of up to kMaxHeads query heads of
 // that KV head's GQA group). It walks the row's index list in tiles of
@@ -19,7 +23,7 @@
 // fly, so float32 queries keep float32 accuracy). Masked rows get a -inf
 // score and are skipped in P V, so whatever bytes they hold never matter.
 //
-// What this kernel does not serve goes to the portable kernel
+// What this kernel does not serve the plan sends to the portable kernel
 // (flash_attn_sparse_portable.cu): float32 or mixed-dtype caches, (D, Dv)
 // outside kTiledHeadDims, FP8 groups that split an 8-channel unit, and
 // devices whose shared memory is too small for the layout.
@@ -28,8 +32,6 @@
 // masked before any address is formed from them; list entries past K are
 // never read.
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "flash_attn_sparse.cuh"
@@ -42,38 +44,16 @@ namespace {
 constexpr int kTileRows = 32;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kWarp;
-// Query heads per CTA: bounds the per-thread score partials and P V
-// accumulators (registers). Larger groups run several CTAs per (row, KV
-// head), each reading the listed rows again.
-constexpr int kMaxHeads = 16;
 // Tile-row buffers: the next tile's rows are written before the sync that
 // ends the previous tile's P V, which may still read its own (see the loop).
 constexpr int kRowBuffers = 3;
-constexpr float kLog2e = 1.4426950408889634f;
-
-// (D, Dv) pairs with a tiled instantiation: the dense kernel's head sizes
-// and MLA's 576-wide latent rows with V as their first 512 columns.
-constexpr int kTiledHeadDims[][2] = {{64, 64}, {96, 96}, {128, 128}, {256, 256}, {576, 512}};
-
-// Byte offsets into the (1024-aligned) dynamic shared memory; sized per call
-// on the host (heads per CTA, FP8 groups, V from K), used as is by the kernel.
-struct SparseSmem {
-  int stage_bytes;  // one stage: K tile, then the V tile (none when V is read from the K rows)
-  int v_tile;       // offset of the V tile within a stage
-  int q;            // float [heads][D]: the CTA's query rows
-  int scores;       // float [kWarps][heads][kTileRows]: score partials, one per warp's slice of D
-  int probs;        // float [heads][kTileRows]: this tile's 2^(s - m)
-  int alpha;        // float [heads]: this tile's rescale of the accumulators
-  int inv;          // float [heads]: the softmax normaliser (epilogue)
-  int unit_group;   // int [D / 8]: FP8 scale group of each 8-channel unit
-  int rows;         // TileRows [kRowBuffers][kTileRows]
-  int bars;         // uint64_t [2]: TMA stage barriers
-  int k_scales;     // float [2][kTileRows][k_groups] (FP8)
-  int v_scales;     // float [2][kTileRows][v_groups] (FP8, separate V)
-  int bytes;        // total
-};
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- host: layout and opt-in
+// (declared in flash_attn_sparse.cuh: the plan sizes and checks a call with them)
 
 SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups) {
   SparseSmem s{};
@@ -98,17 +78,25 @@ SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_gr
   return s;
 }
 
-struct TiledParams {
-  SparseParams s;
-  SparseSmem smem;
-  float score_scale;    // scale * log2(e); scale / softcap with a softcap
-  float softcap_log2;   // softcap * log2(e); 0: no softcap
-  int heads_per_cta;    // min(Hq / Hk, kMaxHeads)
-  int v_from_k;         // V is the first Dv columns of the K rows (K-only / MLA): only K is loaded
-  int kv_aligned;       // 16-byte bases and strides: cp.async, else plain loads
-  int k_groups, v_groups;  // FP8 scales per row of K, V
-  int64_t rows_per_page;   // gather4: 2-D map rows per page (pkv_cache_rows_per_page)
-};
+// Largest dynamic shared memory a kernel of `device` may opt into, read once per device.
+int device_smem_optin(int device) {
+  constexpr int kDevices = 64;
+  static int value[kDevices];
+  static std::once_flag once[kDevices];
+  auto query = [device] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;
+    }
+    return v;
+  };
+  if (device < 0 || device >= kDevices) return query();
+  std::call_once(once[device], [&] { value[device] = query(); });
+  return value[device];
+}
+
+namespace {
 
 // ---------------------------------------------------------------- device
 
@@ -434,24 +422,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---------------------------------------------------------------- host: launch
 
-// Largest dynamic shared memory a kernel of `device` may opt into, read once per device.
-int device_smem_optin(int device) {
-  constexpr int kDevices = 64;
-  static int value[kDevices];
-  static std::once_flag once[kDevices];
-  auto query = [device] {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      v = 0;
-    }
-    return v;
-  };
-  if (device < 0 || device >= kDevices) return query();
-  std::call_once(once[device], [&] { value[device] = query(); });
-  return value[device];
-}
-
 template <int D, int DV, pkv_dtype kCache, int kLoader>
 cudaError_t launch_tiled(const TiledParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                          cudaStream_t stream) {
@@ -508,185 +478,17 @@ cudaError_t dispatch_head_dims(const TiledParams &p, pkv_loader loader, const CU
   return cudaErrorInvalidValue;
 }
 
-// ---------------------------------------------------------------- host: plan
-
-SparseParams sparse_params(const pkv_sparse_args *a) {
-  SparseParams p{};
-  p.q = pkv_rows_view_from(&a->q);
-  p.out = pkv_rows_view_from(&a->out);
-  p.k = pkv_cache_view_from(&a->k_cache);
-  p.v = pkv_cache_view_from(&a->v_cache);
-  if (a->k_scales.defined) p.k_scales = pkv_cache_view_from(&a->k_scales);
-  if (a->v_scales.defined) p.v_scales = pkv_cache_view_from(&a->v_scales);
-  p.indices = static_cast<const int32_t *>(a->indices.data);
-  p.ix_stride_t = a->indices.strides[0], p.ix_stride_h = a->indices.strides[1], p.ix_stride_k = a->indices.strides[2];
-  p.ix_heads = a->indices.sizes[1], p.ix_count = a->indices.sizes[2];
-  if (a->sinks.defined) {
-    p.sinks = static_cast<const float *>(a->sinks.data);
-    p.sinks_stride = a->sinks.strides[0];
-  }
-  p.group = a->q.sizes[1] / a->k_cache.sizes[2];
-  p.quant_group = a->quant_group;
-  p.score_scale = static_cast<float>(a->scale);
-  p.softcap = static_cast<float>(a->softcap);
-  return p;
-}
-
-bool same_view(const pkv_cache_view &a, const pkv_cache_view &b) {
-  return a.data == b.data && a.dtype == b.dtype && a.stride_page == b.stride_page &&
-         a.stride_token == b.stride_token && a.stride_head == b.stride_head;
-}
-
-// V is the first Dv columns of the K rows (and, for FP8, its scales the first groups of K's):
-// the K-only / MLA layout, where only K is loaded.
-bool v_is_k_prefix(const SparseParams &s) {
-  if (!same_view(s.k, s.v) || s.v.head_dim > s.k.head_dim) return false;
-  return !pkv_dtype_is_fp8(s.k.dtype) || same_view(s.k_scales, s.v_scales);
-}
-
-// Why the tiled kernel cannot serve these arguments, or null when it can (the loader aside).
-const char *tiled_refusal(const SparseParams &s) {
-  const pkv_dtype kd = s.k.dtype;
-  if (kd != s.v.dtype) return "K and V of different dtypes";
-  if (kd != PKV_DTYPE_BF16 && kd != PKV_DTYPE_F16 && !pkv_dtype_is_fp8(kd)) return "a float32 cache";
-  bool dims = false;
-  for (const auto &dd : kTiledHeadDims) dims |= dd[0] == s.k.head_dim && dd[1] == s.v.head_dim;
-  if (!dims) return "this (D, Dv) pair (64, 96, 128, 256 or (576, 512))";
-  if (pkv_dtype_is_fp8(kd) && s.quant_group % 8 != 0 && s.quant_group < s.k.head_dim)
-    return "an FP8 quant_group that is neither a multiple of 8 nor >= D";
-  return nullptr;
-}
-
-bool gather4_fits(const SparseParams &s, bool v_from_k) {
-  if (!tma_rows_ok(s.k)) return false;
-  if (v_from_k) return true;
-  return tma_rows_ok(s.v) && pkv_cache_rows_per_page(&s.k) == pkv_cache_rows_per_page(&s.v);
-}
-
-cudaError_t encode_sparse_maps(const SparseParams &s, bool v_from_k, CUtensorMap *kmap, CUtensorMap *vmap) {
-  PKV_CUDA_TRY(tma_map_rows(kmap, s.k));
-  if (v_from_k) {
-    *vmap = *kmap;  // unused
-    return cudaSuccess;
-  }
-  return tma_map_rows(vmap, s.v);
-}
-
-TiledParams tiled_params(const SparseParams &s) {
-  TiledParams p{};
-  p.s = s;
-  const int64_t group = s.group;
-  p.heads_per_cta = static_cast<int>(group < kMaxHeads ? group : kMaxHeads);
-  p.v_from_k = v_is_k_prefix(s);
-  const bool fp8 = pkv_dtype_is_fp8(s.k.dtype);
-  const int es = fp8 ? 1 : 2;
-  p.kv_aligned = pkv_cache_aligned(&s.k, es, 16) && pkv_cache_aligned(&s.v, es, 16);
-  p.k_groups = fp8 ? static_cast<int>(pkv_num_groups(s.k.head_dim, s.quant_group)) : 0;
-  p.v_groups = fp8 ? static_cast<int>(pkv_num_groups(s.v.head_dim, s.quant_group)) : 0;
-  p.rows_per_page = pkv_cache_rows_per_page(&s.k);
-  if (s.softcap > 0.0f) {
-    p.score_scale = s.score_scale / s.softcap;
-    p.softcap_log2 = s.softcap * kLog2e;
-  } else {
-    p.score_scale = s.score_scale * kLog2e;
-    p.softcap_log2 = 0.0f;
-  }
-  p.smem = sparse_smem(static_cast<int>(s.k.head_dim), static_cast<int>(s.v.head_dim), es, p.v_from_k,
-                       p.heads_per_cta, p.k_groups, p.v_groups);
-  return p;
-}
-
-// PAGEDKV_CUDA_SPARSE_KERNEL=portable forces the portable kernel (read per call, like
-// PAGEDKV_CUDA_SPLITS), so tests can compare both kernels on the same arguments.
-bool portable_forced() {
-  const char *v = std::getenv("PAGEDKV_CUDA_SPARSE_KERNEL");
-  return v != nullptr && std::strcmp(v, "portable") == 0;
-}
-
 }  // namespace
-}  // namespace pkv
 
-extern "C" {
-
-pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err) {
-  if (a->v_cache.sizes[3] > pkv::kSparsePortableMaxDv)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "flash_attn_paged_sparse: value head size %lld is not supported on CUDA (at most %d)",
-                    (long long)a->v_cache.sizes[3], pkv::kSparsePortableMaxDv);
-  return PKV_OK;
-}
-
-pkv_status pkv_cuda_sparse_plan_make(const pkv_sparse_args *a, int device, int force_loader,
-                                     pkv_cuda_sparse_plan *plan, pkv_error *err) {
-  using namespace pkv;
-  const char *op = "flash_attn_paged_sparse";
-  *plan = pkv_cuda_sparse_plan{};
-  plan->loader = PKV_LOADER_CP_ASYNC;
-  const SparseParams s = sparse_params(a);
-  const bool forced = force_loader >= 0;
-  if (forced && force_loader != PKV_LOADER_CP_ASYNC && force_loader != PKV_LOADER_TMA_GATHER4)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this call on CUDA (the sparse kernel "
-                    "loads listed rows with cp.async or tma-gather4)", op,
-                    pkv_loader_name(static_cast<pkv_loader>(force_loader)));
-  if (!forced && portable_forced()) return PKV_OK;
-
-  const char *why = tiled_refusal(s);
-  const TiledParams p = tiled_params(s);
-  if (why == nullptr && p.smem.bytes + 1024 > device_smem_optin(device)) why = "too little shared memory per block";
-  if (why != nullptr) {
-    if (!forced) return PKV_OK;  // the portable kernel
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader %s does not fit this call on CUDA (the tiled kernel does "
-                    "not serve %s)", op, pkv_loader_name(static_cast<pkv_loader>(force_loader)), why);
-  }
-  // gather4: what the dense plan asks of it (cc 10.x and sm_100a code in the binary, probed on
-  // flash_attn_paged's gather4 kernel: every .cu is built for the same targets; 16-byte strides,
-  // whole 128-byte head rows, rows < 2^31), else cp.async
-  pkv_loader loader = PKV_LOADER_CP_ASYNC;
-  const bool want_gather4 = forced ? force_loader == PKV_LOADER_TMA_GATHER4 : true;
-  if (want_gather4) {
-    CUtensorMap kmap, vmap;
-    const bool ok = pkv_cuda_loader_available(device, PKV_LOADER_TMA_GATHER4) && gather4_fits(s, p.v_from_k) &&
-                    encode_sparse_maps(s, p.v_from_k, &kmap, &vmap) == cudaSuccess;
-    if (ok)
-      loader = PKV_LOADER_TMA_GATHER4;
-    else if (forced)
-      return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader tma-gather4 %s on CUDA device %d", op,
-                      pkv_cuda_loader_available(device, PKV_LOADER_TMA_GATHER4) ? "does not fit this cache view"
-                                                                                : "is not available",
-                      device);
-  }
-  if (loader == PKV_LOADER_CP_ASYNC && !pkv_cuda_loader_available(device, PKV_LOADER_CP_ASYNC)) {
-    if (!forced) return PKV_OK;
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: loader cp.async is not available on CUDA device %d", op, device);
-  }
-  plan->tiled = 1;
-  plan->loader = loader;
-  plan->smem_bytes = p.smem.bytes + 1024;
-  return PKV_OK;
-}
-
-cudaError_t pkv_cuda_sparse_run(const pkv_sparse_args *a, const pkv_cuda_sparse_plan *plan, cudaStream_t stream) {
-  using namespace pkv;
-  const SparseParams s = sparse_params(a);
-  if (s.q.num_rows == 0) return cudaSuccess;
-  if (!plan->tiled) return launch_sparse_portable(s, stream);
-  const TiledParams p = tiled_params(s);
-  CUtensorMap kmap{}, vmap{};
-  if (plan->loader == PKV_LOADER_TMA_GATHER4) PKV_CUDA_TRY(encode_sparse_maps(s, p.v_from_k, &kmap, &vmap));
+// The plan's way in (flash_attn_sparse.cuh): the grid, then the instantiation for p's shapes.
+cudaError_t launch_sparse_tiled(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
+                                const CUtensorMap &vmap, cudaStream_t stream) {
+  const SparseParams &s = p.s;
   const int64_t chunks = (s.group + kMaxHeads - 1) / kMaxHeads;
   if (s.q.num_rows > 0x7fffffff || s.k.num_heads > 65535 || chunks > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(s.q.num_rows), static_cast<unsigned>(s.k.num_heads),
                   static_cast<unsigned>(chunks));
-  return dispatch_head_dims(p, plan->loader, kmap, vmap, grid, stream);
+  return dispatch_head_dims(p, loader, kmap, vmap, grid, stream);
 }
 
-cudaError_t pkv_cuda_sparse(const pkv_sparse_args *a, cudaStream_t stream) {
-  int device = 0;
-  PKV_CUDA_TRY(cudaGetDevice(&device));
-  pkv_cuda_sparse_plan plan;
-  pkv_error err{};
-  if (pkv_cuda_sparse_plan_make(a, device, -1, &plan, &err) != PKV_OK) plan = pkv_cuda_sparse_plan{};
-  return pkv_cuda_sparse_run(a, &plan, stream);
-}
-
-}  // extern "C"
+}  // namespace pkv
