@@ -281,7 +281,8 @@ def flash_attn_paged(
 def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor | None):
     """Probabilities and log-sum-exp of `scores [..., K]` (-inf: hidden), a sink logit `[...]` joining
     the denominator. Returns `(probs [..., K], lse [...])`; a row with no visible key and no sink has
-    zero probabilities and lse -inf; with a sink its lse is the sink."""
+    zero probabilities and lse -inf; with a sink its lse is the sink. A NaN score (or +inf: the sum
+    becomes NaN) makes the whole row NaN, as in the kernels: it is never dropped to zeros."""
     row_max = scores.amax(dim=-1)
     if sink is not None:
         row_max = torch.maximum(row_max, sink)
@@ -290,9 +291,8 @@ def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor | None):
     denom = weights.sum(dim=-1)
     if sink is not None:
         denom = denom + torch.exp(sink - row_max)
-    probs = torch.where(
-        denom.unsqueeze(-1) > 0, weights / denom.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(weights)
-    )
+    seen = (denom > 0) | torch.isnan(denom)  # denom 0: no visible key; NaN: the row is NaN, not zeros
+    probs = torch.where(seen.unsqueeze(-1), weights / denom.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(weights))
     return probs, row_max + torch.log(denom)
 
 

@@ -209,3 +209,36 @@ def test_fp8_opcheck():
     torch.library.opcheck(torch.ops.pagedkv.flash_attn_paged_sparse.default,
                           (q, kv.k_cache, kv.v_cache, indices, None, kv.k_scales, kv.v_scales, 8),
                           test_utils=FP8_OPCHECK_UTILS)
+
+
+# FP8 rows with one scale per (token, head) (quant_group >= D): the CPU kernels fold that scale into
+# the score or the probability instead of scaling each element (for e4m3 also the widening's 2^8), on
+# long lists (several chunks), GQA 1, 4 and 8, float32 and bf16 queries; one e4m3 K row and one V row
+# hold a NaN code, which must reach exactly the outputs the reference makes NaN.
+@pytest.mark.per_isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_sparse_fp8_row_scales(device, cache_dtype, gqa, q_dtype):
+    gen = generator(seed_from("sparse-fp8-rows", dtype_name(cache_dtype), str(gqa), dtype_name(q_dtype)))
+    d, hk, tokens, num_pages, page = 64, 2, 4, 12, 16
+    kv = make_paged_kv("separate", num_pages=num_pages, page_size=page, num_kv_heads=hk, head_dim=d,
+                       dtype=cache_dtype, quant_group=128, device=device)
+    fill_pool(gen, kv)
+    if cache_dtype == torch.float8_e4m3fn:  # NaN codes: K of token 5 head 0, V of token 17 head 1
+        kv.k_cache.view(torch.uint8)[0, 5, 0, 3] = 0x7F
+        kv.v_cache.view(torch.uint8)[1, 1, 1, 10] = 0xFF
+    hq = hk * gqa
+    q = randn(gen, (tokens, hq, d), q_dtype, device)
+    indices = random_indices(gen, tokens, hk, 90, num_pages * page, device)
+    indices[0, :, 2] = 5  # rows 0 and 1 list the NaN tokens
+    indices[1, :, 7] = 16 + 1
+    args = (q, kv.k_cache, kv.v_cache, indices, None, kv.k_scales, kv.v_scales, 128)
+    out = pagedkv.flash_attn_paged_sparse(*args)
+    expected = ref.flash_attn_paged_sparse(q.double(), *args[1:])
+    assert torch.equal(out.isnan().cpu(), expected.isnan().cpu()), "NaN outputs differ from the reference's"
+    finite = ~expected.isnan()
+    assert_attention_close(torch.where(finite, out, 0), torch.where(finite, expected, 0).to(out.dtype), q_dtype,
+                           f"{dtype_name(cache_dtype)} gqa={gqa}")
+    assert (out[-1] == 0).all(), "a row that lists no token outputs zeros"
