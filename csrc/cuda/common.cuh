@@ -31,6 +31,11 @@ constexpr int kWarp = 32;
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// The dynamic shared memory from its first 1024-byte boundary: TMA's 128-byte
+// swizzle needs 1024-aligned tiles, and every tiled kernel lays them out from here.
+__device__ __forceinline__ uint8_t *smem_align_1024(uint8_t *raw) {
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+}
 
 // ---- warp reductions ----
 __device__ __forceinline__ float warp_max(float v) {

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kDebugThreads)
     debug_tile_kernel(const __grid_constant__ DebugParams p, const __grid_constant__ CUtensorMap map) {
   if constexpr (loader_compiled<kLoader>()) {
     extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint8_t *smem = smem_align_1024(smem_raw);
     debug_body<kRows, kLoader>(p, &map, smem);
   } else {
     __trap();

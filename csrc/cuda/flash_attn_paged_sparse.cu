@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads)
                         const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
     extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint8_t *smem = smem_align_1024(smem_raw);
     sparse_tiled_body<D, DV, kCache, kLoader>(p, &kmap, &vmap, smem);
   } else {
     __trap();  // a loader this target cannot run: the host never launches it
