@@ -143,7 +143,10 @@ static pkv_status check_index_tensors(const pkv_tensor *offsets, const char *off
   TRY(need_dims(offsets, 1, op, offsets_name, "[B+1]", err));
   int64_t batch = lengths->sizes[0];
   TRY(need_size(table, 0, batch, op, "lookup_table", "B, the length of the lengths tensor", err));
-  TRY(need_size(offsets, 0, batch + 1, op, offsets_name, "B+1", err));
+  /* Compared as size - 1 so a huge B (a zero-stride view can claim 2^63 - 1 rows) cannot overflow. */
+  if (offsets->sizes[0] - 1 != batch)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s.size(0) must be B+1 (B = %lld rows of %s), got %lld", op,
+                    offsets_name, (long long)batch, lengths_name, (long long)offsets->sizes[0]);
   TRY(need_device(table, device, op, "lookup_table", device_ref, err));
   TRY(need_device(lengths, device, op, lengths_name, device_ref, err));
   TRY(need_device(offsets, device, op, offsets_name, device_ref, err));
@@ -519,7 +522,8 @@ pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_erro
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: indices.size(1) must be %lld (Hk: one list per KV head) or 1 (one "
                     "list shared by all heads), got %lld", op, (long long)hk, (long long)ix->sizes[1]);
   if (!check_values) return PKV_OK;
-  int64_t tokens = a->k_cache.sizes[0] * a->k_cache.sizes[1];
+  int64_t tokens; /* N * P; saturated, since an int32 entry is below any product too large for int64 */
+  if (__builtin_mul_overflow(a->k_cache.sizes[0], a->k_cache.sizes[1], &tokens)) tokens = INT64_MAX;
   for (int64_t t = 0; t < ix->sizes[0]; t++)
     for (int64_t h = 0; h < ix->sizes[1]; h++)
       for (int64_t k = 0; k < ix->sizes[2]; k++) {

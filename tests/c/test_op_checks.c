@@ -306,6 +306,27 @@ static void test_overflow_edges(void) {
   b.k_cache.sizes[1] = b.v_cache.sizes[1] = (int64_t)1 << 40;
   b.k_cache.strides[1] = b.v_cache.strides[1] = 0;
   EXPECT_PASS(pkv_attn_check(&b, 1, &err_));
+  /* a broadcast batch of 2^63 - 1 rows: B + 1 offsets cannot be formed, the size check must not overflow */
+  b = attn_valid();
+  b.cache_lengths = tensor_strided(s_lengths, PKV_DTYPE_I32, 1, (int64_t[]){INT64_MAX}, (int64_t[]){0});
+  b.lookup_table = tensor_strided(table, PKV_DTYPE_I32, 2, (int64_t[]){INT64_MAX, SMAXP}, (int64_t[]){0, 1});
+  EXPECT_FAIL(pkv_attn_check(&b, 1, &err_), PKV_ERR_ARGUMENT, "flash_attn_paged", "input_row_offsets");
+  /* sparse indices over a broadcast cache of 2^62 pages of 2^40 tokens: N * P saturates */
+  pkv_sparse_args sp;
+  memset(&sp, 0, sizeof sp);
+  int32_t listed[ST * 2];
+  for (int i = 0; i < ST * 2; i++) listed[i] = i % 3 == 2 ? -1 : INT32_MAX - i;
+  sp.q = T3(a_q, PKV_DTYPE_F32, ST, 4, SD);
+  sp.out = T3(a_out, PKV_DTYPE_F32, ST, 4, SD);
+  sp.k_cache = tensor_strided(s_kc, PKV_DTYPE_F32, 4, (int64_t[]){(int64_t)1 << 62, (int64_t)1 << 40, SH, SD},
+                              (int64_t[]){0, 0, SD, 1});
+  sp.v_cache = sp.k_cache;
+  sp.indices = T3(listed, PKV_DTYPE_I32, ST, 1, 2);
+  sp.scale = 0.35;
+  sp.quant_group = 128;
+  EXPECT_PASS(pkv_sparse_check(&sp, 1, &err_));
+  listed[5] = -2;
+  EXPECT_FAIL(pkv_sparse_check(&sp, 1, &err_), PKV_ERR_INDEX, "flash_attn_paged_sparse", "indices[2, 0, 1]");
   /* negative strides are rejected by name before any index value is read */
   pkv_store_args c = store_valid();
   c.input_row_offsets.strides[0] = -1;
