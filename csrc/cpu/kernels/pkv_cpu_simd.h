@@ -48,6 +48,9 @@ PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return _mm512_mask_blend_ps(_mm512_cm
 PKV_AI pkv_vf vf_fma(pkv_vf a, pkv_vf b, pkv_vf c) { return _mm512_fmadd_ps(a, b, c); }
 PKV_AI float vf_hmax(pkv_vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) ? NAN : _mm512_reduce_max_ps(v); }
 PKV_AI float vf_hsum(pkv_vf v) { return _mm512_reduce_add_ps(v); }
+/* Whether some lane is above t or NaN (not <= t): the softmax's test for moving its max, without
+ * a horizontal reduction in the common case where it stays. */
+PKV_AI int vf_any_above(pkv_vf v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_NLE_UQ) != 0; }
 
 /* Lanes i with lo <= i < hi keep v; the others become fill. */
 PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
@@ -332,6 +335,9 @@ PKV_AI float vf_hsum(pkv_vf v) {
   m = _mm_add_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
 }
+PKV_AI int vf_any_above(pkv_vf v, float t) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(t), _CMP_NLE_UQ)) != 0;
+}
 PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
   __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   int l = (int)(lo < -1 ? -1 : (lo > 8 ? 8 : lo)), h = (int)(hi < -1 ? -1 : (hi > 8 ? 8 : hi));
@@ -476,6 +482,7 @@ PKV_AI pkv_vf vf_max(pkv_vf a, pkv_vf b) { return (a > b || a != a) ? a : b; } /
 PKV_AI pkv_vf vf_fma(pkv_vf a, pkv_vf b, pkv_vf c) { return a * b + c; }
 PKV_AI float vf_hmax(pkv_vf v) { return v; }
 PKV_AI float vf_hsum(pkv_vf v) { return v; }
+PKV_AI int vf_any_above(pkv_vf v, float t) { return !(v <= t); }
 PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) { return (lo <= 0 && 0 < hi) ? v : fill; }
 PKV_AI pkv_vf vf_exp2(pkv_vf x) { return exp2f(x); }
 PKV_AI pkv_vf vf_load_bf16(const uint16_t *p) { return pkv_bf16_to_f32(*p); }
