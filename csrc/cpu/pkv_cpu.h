@@ -21,6 +21,8 @@ extern "C" {
 /* Row-pointer slots per work item: the tile in use and the tiles ahead that
  * are being prefetched (pkv_cpu_kernels.inc). */
 #define PKV_CPU_TILE_SLOTS 2
+/* Tiles per PV product on the AMX prefill path (attn_item.inc) */
+#define PKV_CPU_PV_TILES 2
 /* Widest vector in floats; scratch rows are padded to it so every ISA fits. */
 #define PKV_CPU_MAX_LANES 16
 
@@ -45,8 +47,8 @@ typedef struct {
   const void **kptr, **vptr;               /* [TILE_SLOTS, KEYS] row pointers of this tile and those ahead */
   const float **ksptr, **vsptr;            /* [TILE_SLOTS, KEYS] scale rows (FP8) */
   uint32_t *zero;                          /* [pad(d)] a zero row for padding keys */
-  uint16_t *pb;                            /* [nqa, KEYS] probabilities as bf16 (AMX) */
-  uint32_t *vb;                            /* [KEYS/2, pad(dv)] V tile as bf16 key pairs (AMX) */
+  uint16_t *pb;                            /* [nqa, PV_TILES * KEYS] probabilities as bf16 (AMX) */
+  uint32_t *vb;                            /* [PV_TILES * KEYS/2, pad(dv)] V tiles as bf16 key pairs (AMX) */
   uint32_t *qt;                            /* [nqa, pad(d/2)] Q^T per KV head, bf16 pairs (AMX decode) */
   uint32_t *qa;                            /* [pad(d/2), nqa + 16] Q^T of all heads, word-major (AMX decode) */
   float *sk;                               /* [nqa, KEYS] scores as [KV head][key][query] (AMX decode) */
