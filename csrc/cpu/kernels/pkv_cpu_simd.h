@@ -29,6 +29,9 @@
 #define PKV_EXP2_C6 0.00015403530393381606f
 #define PKV_EXP2_C7 1.5252733804059841e-05f
 
+/* exp2 of scores below -PKV_EXP2_FLOOR (log2 units under the running max) is 0: see vf_exp2_split */
+#define PKV_EXP2_FLOOR 125.0f
+
 #if defined(PKV_SIMD_AVX512)
 /* ======================================================================= AVX-512 */
 #include <immintrin.h>
@@ -60,19 +63,26 @@ PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
   return _mm512_mask_blend_ps(m, _mm512_set1_ps(fill), v);
 }
 
-/* 2^x for x <= 0 (scores minus their running max); -inf and x < -150 give 0,
+/* 2^x for x <= 0 (scores minus their running max); -inf and x < -PKV_EXP2_FLOOR give 0,
  * NaN stays NaN (MAXPS returns its second operand when either is NaN, so x goes
- * second: a NaN score must poison the row as in the reference, not vanish). */
-/* Range reduction shared by the exp2 variants: x = n + f, n integral, |f| <= 0.5. */
-PKV_AI pkv_vf vf_exp2_split(pkv_vf x, pkv_vf *f) {
-  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
+ * second: a NaN score must poison the row as in the reference, not vanish).
+ * Results are never denormal: a denormal result (x below -126, which every masked -inf lane
+ * of a tile reached through the old floor of -150) costs a microcode assist of ~100 cycles
+ * per instruction that makes or adds it, and made a 32-key call over 64-key tiles 2x slower.
+ * Terms below 2^-125 of the running max change no float32 sum that holds the max's own term. */
+/* Range reduction shared by the exp2 variants: x = n + f, n integral, |f| <= 0.5; *keep: the
+ * lanes whose result is not 0 (x >= -PKV_EXP2_FLOOR, or NaN). */
+PKV_AI pkv_vf vf_exp2_split(pkv_vf x, pkv_vf *f, __mmask16 *keep) {
+  *keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-PKV_EXP2_FLOOR), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-PKV_EXP2_FLOOR), x);
   pkv_vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   *f = _mm512_sub_ps(x, n);
   return n;
 }
 
 PKV_AI pkv_vf vf_exp2(pkv_vf x) {
-  pkv_vf f, n = vf_exp2_split(x, &f);
+  __mmask16 keep;
+  pkv_vf f, n = vf_exp2_split(x, &f, &keep);
   pkv_vf p = _mm512_set1_ps(PKV_EXP2_C7);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C6));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C5));
@@ -81,19 +91,20 @@ PKV_AI pkv_vf vf_exp2(pkv_vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PKV_EXP2_C1));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* vf_exp2 to bf16 accuracy: a degree-3 fit of 2^f on [-0.5, 0.5] (weighted least squares on
  * Chebyshev nodes, relative error < 8e-5; bf16 rounding is 2e-3), for probabilities the AMX
  * paths round to bf16 anyway. Same range and NaN rules as vf_exp2. */
 PKV_AI pkv_vf vf_exp2_bf16(pkv_vf x) {
-  pkv_vf f, n = vf_exp2_split(x, &f);
+  __mmask16 keep;
+  pkv_vf f, n = vf_exp2_split(x, &f, &keep);
   pkv_vf p = _mm512_set1_ps(0.05508868380751114f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24260405145947936f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932762416819607f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999289403695112f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* ---- float16 bits -> float32 with the scalar NaN rule (payload kept, not quieted) ---- */
@@ -347,7 +358,9 @@ PKV_AI pkv_vf vf_keep_range(pkv_vf v, int64_t lo, int64_t hi, float fill) {
 }
 PKV_AI pkv_vf vf_exp2(pkv_vf x) {
   pkv_vf in = x, nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* the integer exponent below loses NaN: put it back */
-  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f)); /* also maps -inf; 2^-127 is built as 0 below */
+  /* x < -PKV_EXP2_FLOOR (-inf too) gives 0, and no result is denormal (see the AVX-512 vf_exp2) */
+  pkv_vf tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-PKV_EXP2_FLOOR), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-PKV_EXP2_FLOOR));
   pkv_vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   pkv_vf f = _mm256_sub_ps(x, n);
   pkv_vf p = _mm256_set1_ps(PKV_EXP2_C7);
@@ -359,7 +372,7 @@ PKV_AI pkv_vf vf_exp2(pkv_vf x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PKV_EXP2_C1));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), in, nan);
+  return _mm256_blendv_ps(_mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e))), in, nan);
 }
 
 PKV_AI pkv_vf vf_from_f16_bits(__m128i h) {
