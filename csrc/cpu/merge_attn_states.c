@@ -13,16 +13,21 @@ static float lse_at(const pkv_tensor *t, int64_t row, int64_t head) {
   return ((const float *)t->data)[row * t->strides[0] + head * t->strides[1]];
 }
 
-/* A part with weight 0 (it saw no key: its out is meaningless, maybe never written) is left out. */
-static inline float blend(float wa, float a, float wb, float b) {
-  return (wa != 0.0f ? wa * a : 0.0f) + (wb != 0.0f ? wb * b : 0.0f);
-}
-
 #define MERGE_CHUNK 256 /* float32 values per blend step (stack buffers) */
 
-/* out[0, n) = the blend of a and b, float32 rows. */
+/* out[0, n) = the blend of a and b, float32 rows. A part with weight 0 (it saw no key: its out is
+ * meaningless, maybe never written, maybe NaN) is left out. The weight tests are made once per
+ * row, so each loop is a plain one the compiler vectorizes (tested per element, they kept the
+ * loop scalar: 28% of a 32-token merge's samples). */
 static void blend_row(float wa, const float *a, float wb, const float *b, float *out, int64_t n) {
-  for (int64_t i = 0; i < n; i++) out[i] = blend(wa, a[i], wb, b[i]);
+  if (wa != 0.0f && wb != 0.0f)
+    for (int64_t i = 0; i < n; i++) out[i] = wa * a[i] + wb * b[i];
+  else if (wa != 0.0f)
+    for (int64_t i = 0; i < n; i++) out[i] = wa * a[i];
+  else if (wb != 0.0f)
+    for (int64_t i = 0; i < n; i++) out[i] = wb * b[i];
+  else
+    for (int64_t i = 0; i < n; i++) out[i] = 0.0f;
 }
 
 static void *row_at(const pkv_rows_view *v, int64_t elem) {
