@@ -1,4 +1,5 @@
-/* libFuzzer target: the three op checkers, then the CPU kernels on exactly-sized buffers.
+/* libFuzzer target: the op checkers (paged_store, paged_load, flash_attn_paged with its LSE and
+ * sinks, flash_attn_paged_sparse, merge_attn_states), then the CPU kernels on exactly-sized buffers.
  *
  * The input bytes decode into a small geometry (N, P, Hk, D, ...), one descriptor per op argument
  * (dtype, rank, sizes, strides, device; usually consistent with the geometry, sometimes broken),
@@ -43,7 +44,8 @@ static uint32_t take32(reader *r) {
 /* 0 .. n-1 */
 static int64_t take_below(reader *r, int64_t n) { return n <= 1 ? 0 : (int64_t)(take(r) % (uint64_t)n); }
 
-static long g_stats[3][3]; /* [op][checked, passed the check, ran the kernel] */
+#define NUM_OPS 5
+static long g_stats[NUM_OPS][3]; /* [op][checked, passed the check, ran the kernel] */
 
 /* Saturating arithmetic for the harness's own cost estimates (sizes may be huge). */
 static int64_t mul_sat(int64_t a, int64_t b) {
@@ -240,7 +242,10 @@ static const char *LOAD_NAMES[] = {"cache", "scales", "lookup_table", "seq_lens"
                                    "quant_group", NULL};
 static const char *ATTN_NAMES[] = {"q", "input_row_offsets", "k_cache", "v_cache", "cache_lengths",
                                    "lookup_table", "scale", "k_scales", "v_scales", "quant_group", "out",
-                                   "window_left", "softcap", NULL};
+                                   "window_left", "softcap", "sinks", "lse", NULL};
+static const char *SPARSE_NAMES[] = {"q", "k_cache", "v_cache", "indices", "scale", "k_scales", "v_scales",
+                                     "quant_group", "softcap", "sinks", "out", NULL};
+static const char *MERGE_NAMES[] = {"out_a", "lse_a", "out_b", "lse_b", "out", "lse", NULL};
 
 static void require(int cond, const char *what, const char *detail) {
   if (!cond) {
@@ -450,6 +455,9 @@ static void fuzz_attn(reader *r) {
   a.input_row_offsets = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B + 1}, 0);
   a.cache_lengths = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B}, 0);
   a.lookup_table = decode_tensor(r, &m, 2, 2, (int64_t[]){g.B, g.cols}, 0);
+  /* flash_attn_paged_lse's log-sum-exps and the attention sinks, each sometimes */
+  a.sinks = decode_tensor(r, &m, 3, 1, (int64_t[]){g.Hq}, 1);
+  a.lse = decode_tensor(r, &m, 3, 2, (int64_t[]){g.T, g.Hq}, 1);
   fill_index(&a.input_row_offsets, g.offsets, g.B + 1);
   fill_index(&a.cache_lengths, g.lengths, g.B);
   fill_index(&a.lookup_table, g.table, g.B * g.cols);
@@ -480,10 +488,120 @@ done:
   arena_free(&m);
 }
 
+/* Sparse index entries: encoded tokens page * P + slot, mostly valid, sometimes -1 (none) or out of
+ * range either way. */
+static int32_t sparse_entry(reader *r, int64_t tokens) {
+  static const int32_t specials[] = {-1, -2, INT32_MIN, INT32_MAX};
+  uint8_t b = take(r);
+  if (b < 200) return tokens > 0 ? (int32_t)(take32(r) % (uint64_t)tokens) : -1;
+  if (b < 240) return -1;
+  return b % 2 ? specials[b % 4] : (int32_t)(tokens < INT32_MAX ? tokens : INT32_MAX); /* one past the end */
+}
+
+static void fuzz_sparse(reader *r) {
+  geometry g;
+  arena m = {0};
+  decode_geometry(r, &g);
+  pkv_sparse_args a;
+  memset(&a, 0, sizeof a);
+  a.quant_group = take(r) == 255 ? -(int64_t)take(r) : g.G;
+  static const double scales[] = {0.25, 1.0, 0.0, -0.5, 1e30, 1e-30, NAN, INFINITY};
+  static const double softcaps[] = {0.0, 0.0, 5.0, 1e-30, -1.0, NAN, INFINITY, 30.0};
+  uint8_t opt = take(r);
+  a.scale = scales[opt % 8];
+  a.softcap = softcaps[(opt >> 3) % 8];
+  int64_t lists = opt & 0x40 ? 1 : g.Hk, K = take_below(r, 9);
+  a.k_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.D}, 0);
+  a.v_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.Dv}, 0);
+  if (pkv_dtype_is_fp8(a.k_cache.dtype) || take(r) == 7)
+    a.k_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.D, g.G)}, 1);
+  if (pkv_dtype_is_fp8(a.v_cache.dtype) || take(r) == 7)
+    a.v_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.Dv, g.G)}, 1);
+  a.q = decode_tensor(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.D}, 0);
+  a.out = decode_tensor_as(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.Dv}, 0, take(r) % 8 ? (int)a.q.dtype : -1);
+  a.sinks = decode_tensor(r, &m, 3, 1, (int64_t[]){g.Hq}, 1);
+  a.indices = decode_tensor(r, &m, 2, 3, (int64_t[]){g.T, lists, K}, 0);
+  pkv_tensor *ix = &a.indices;
+  if (ix->defined && ix->dtype == PKV_DTYPE_I32 && ix->ndim == 3 && ix->data && ix->data != g_unbacked &&
+      ix->sizes[0] <= 64 && ix->sizes[1] <= 64 && ix->sizes[2] <= 64 && ix->strides[0] >= 0 && ix->strides[1] >= 0 &&
+      ix->strides[2] >= 0) {
+    int64_t tokens = mul_sat(g.N, g.P);
+    for (int64_t t = 0; t < ix->sizes[0]; t++)
+      for (int64_t h = 0; h < ix->sizes[1]; h++)
+        for (int64_t k = 0; k < ix->sizes[2]; k++)
+          ((int32_t *)ix->data)[t * ix->strides[0] + h * ix->strides[1] + k * ix->strides[2]] = sparse_entry(r, tokens);
+  }
+  pkv_status st;
+  RUN_CHECK(pkv_sparse_check, &a, "flash_attn_paged_sparse", SPARSE_NAMES, st);
+  g_stats[3][0]++;
+  if (st != PKV_OK || m.oversize) goto done;
+  g_stats[3][1]++;
+  /* trip count: query rows x heads x listed keys x channels */
+  int64_t cost = mul_sat(mul_sat(mul_sat(a.q.sizes[0], a.q.sizes[1]), add_sat(a.indices.sizes[2], 1)),
+                         add_sat(a.k_cache.sizes[3], a.v_cache.sizes[3]));
+  if (cost > 10 * MAX_KERNEL_WORK) goto done;
+  int64_t work = pkv_sparse_cpu_work(&a), mid = work ? take_below(r, work + 1) : 0;
+  pkv_error err;
+  require(pkv_sparse_cpu(&a, mid, work, &err) == PKV_OK, "sparse kernel runs", err.message);
+  require(pkv_sparse_cpu(&a, 0, mid, &err) == PKV_OK, "sparse kernel runs", err.message);
+  g_stats[3][2]++;
+done:
+  arena_free(&m);
+}
+
+/* merge_attn_states has no index values: both RUN_CHECK passes check the same thing */
+static pkv_status merge_check(const pkv_merge_args *a, int check_values, pkv_error *err) {
+  (void)check_values;
+  return pkv_merge_check(a, err);
+}
+
+static void fuzz_merge(reader *r) {
+  arena m = {0};
+  int64_t T = take_below(r, 6), H = 1 + take_below(r, 4), Dv = 1 + take_below(r, 20);
+  pkv_merge_args a;
+  memset(&a, 0, sizeof a);
+  a.out_a = decode_tensor(r, &m, 0, 3, (int64_t[]){T, H, Dv}, 0);
+  int same = take(r) % 8 ? (int)a.out_a.dtype : -1; /* usually out_a's dtype, as the op requires */
+  a.out_b = decode_tensor_as(r, &m, 0, 3, (int64_t[]){T, H, Dv}, 0, same);
+  a.out = decode_tensor_as(r, &m, 0, 3, (int64_t[]){T, H, Dv}, 0, same);
+  a.lse_a = decode_tensor(r, &m, 3, 2, (int64_t[]){T, H}, 0);
+  a.lse_b = decode_tensor(r, &m, 3, 2, (int64_t[]){T, H}, 0);
+  a.lse = decode_tensor(r, &m, 3, 2, (int64_t[]){T, H}, 0);
+  /* log-sum-exps with the special values a partial attention produces */
+  static const float special_lse[] = {-INFINITY, INFINITY, NAN, 0.0f, 80.0f, -80.0f, 1e30f, -1e30f};
+  pkv_tensor *lses[2] = {&a.lse_a, &a.lse_b};
+  for (int i = 0; i < 2; i++) {
+    pkv_tensor *l = lses[i];
+    if (!l->defined || l->dtype != PKV_DTYPE_F32 || l->ndim != 2 || !l->data || l->data == g_unbacked ||
+        l->sizes[0] > 64 || l->sizes[1] > 64 || l->strides[0] < 0 || l->strides[1] < 0)
+      continue;
+    for (int64_t t = 0; t < l->sizes[0]; t++)
+      for (int64_t h = 0; h < l->sizes[1]; h++) {
+        uint8_t b = take(r);
+        ((float *)l->data)[t * l->strides[0] + h * l->strides[1]] =
+            b < 128 ? (float)b / 16.0f - 4.0f : special_lse[b % 8];
+      }
+  }
+  pkv_status st;
+  RUN_CHECK(merge_check, &a, "merge_attn_states", MERGE_NAMES, st);
+  g_stats[4][0]++;
+  if (st != PKV_OK || m.oversize) goto done;
+  g_stats[4][1]++;
+  int64_t work = pkv_merge_cpu_work(&a);
+  if (mul_sat(mul_sat(work, a.out_a.sizes[1]), a.out_a.sizes[2]) > MAX_KERNEL_WORK) goto done;
+  int64_t mid = work ? take_below(r, work + 1) : 0;
+  pkv_merge_cpu(&a, mid, work);
+  pkv_merge_cpu(&a, 0, mid);
+  g_stats[4][2]++;
+done:
+  arena_free(&m);
+}
+
 /* FUZZ_STATS=1: print how often each op passed its check and ran its kernel. */
 static void print_stats(void) {
-  const char *ops[] = {"paged_store", "paged_load", "flash_attn_paged"};
-  for (int i = 0; i < 3; i++)
+  const char *ops[NUM_OPS] = {"paged_store", "paged_load", "flash_attn_paged", "flash_attn_paged_sparse",
+                              "merge_attn_states"};
+  for (int i = 0; i < NUM_OPS; i++)
     fprintf(stderr, "%s: %ld inputs, %ld passed the check, %ld ran the kernel\n", ops[i], g_stats[i][0],
             g_stats[i][1], g_stats[i][2]);
 }
@@ -495,10 +613,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     atexit(print_stats);
   }
   reader r = {data, size, 0};
-  switch (take(&r) % 3) {
+  switch (take(&r) % NUM_OPS) {
   case 0: fuzz_store(&r); break;
   case 1: fuzz_load(&r); break;
-  default: fuzz_attn(&r); break;
+  case 2: fuzz_attn(&r); break;
+  case 3: fuzz_sparse(&r); break;
+  default: fuzz_merge(&r); break;
   }
   return 0;
 }

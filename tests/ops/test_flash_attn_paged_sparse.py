@@ -185,6 +185,23 @@ def test_bad_indices_name_the_argument(indices, match):
         assert_bytes_equal(kv.bases[name], base, name)
 
 
+@pytest.mark.per_isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,listed", [(3, 0), (0, 5), (0, 0)])
+def test_sparse_empty_lists_and_batches(device, rows, listed):
+    """Empty lists (K = 0: every row sees no token, zeros out, sinks or not) and an empty batch (T = 0).
+    Such tensors may have no data pointer at all: the fuzzer found address arithmetic on one."""
+    kv, q = small(device)
+    q = q[:rows]
+    indices = torch.empty((rows, 2, listed), dtype=torch.int32, device=device)
+    for sinks in (None, torch.randn(4, device=device)):
+        out = pagedkv.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, indices, sinks=sinks)
+        expected = ref.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, indices, sinks=sinks)
+        assert out.shape == (rows, 4, 16) and out.dtype == q.dtype
+        torch.testing.assert_close(out, expected.to(out.dtype))
+        assert not out.any(), "a row that sees no token outputs zeros"
+
+
 FP8_OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
