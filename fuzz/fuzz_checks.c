@@ -428,6 +428,30 @@ done:
   arena_free(&m);
 }
 
+/* Attention options, normal and hostile (picked by bytes). */
+static const double FUZZ_SCALES[] = {0.25, 1.0, 0.0, -0.5, 1e30, 1e-30, NAN, INFINITY};
+static const double FUZZ_SOFTCAPS[] = {0.0, 0.0, 5.0, 1e-30, -1.0, NAN, INFINITY, 30.0};
+
+/* The operands flash_attn_paged and its sparse form share: the caches, their FP8 scales, q and out
+ * (usually of q's dtype, as the ops require). */
+typedef struct {
+  pkv_tensor k_cache, v_cache, k_scales, v_scales, q, out;
+} attention_operands;
+
+static attention_operands decode_attention_operands(reader *r, arena *m, const geometry *g) {
+  attention_operands o;
+  memset(&o, 0, sizeof o);
+  o.k_cache = decode_tensor(r, m, 1, 4, (int64_t[]){g->N, g->P, g->Hk, g->D}, 0);
+  o.v_cache = decode_tensor(r, m, 1, 4, (int64_t[]){g->N, g->P, g->Hk, g->Dv}, 0);
+  if (pkv_dtype_is_fp8(o.k_cache.dtype) || take(r) == 7)
+    o.k_scales = decode_tensor(r, m, 3, 4, (int64_t[]){g->N, g->P, g->Hk, pkv_num_groups(g->D, g->G)}, 1);
+  if (pkv_dtype_is_fp8(o.v_cache.dtype) || take(r) == 7)
+    o.v_scales = decode_tensor(r, m, 3, 4, (int64_t[]){g->N, g->P, g->Hk, pkv_num_groups(g->Dv, g->G)}, 1);
+  o.q = decode_tensor(r, m, 0, 3, (int64_t[]){g->T, g->Hq, g->D}, 0);
+  o.out = decode_tensor_as(r, m, 0, 3, (int64_t[]){g->T, g->Hq, g->Dv}, 0, take(r) % 8 ? (int)o.q.dtype : -1);
+  return o;
+}
+
 static void fuzz_attn(reader *r) {
   geometry g;
   arena m = {0};
@@ -435,23 +459,15 @@ static void fuzz_attn(reader *r) {
   pkv_attn_args a;
   memset(&a, 0, sizeof a);
   a.quant_group = take(r) == 255 ? -(int64_t)take(r) : g.G;
-  static const double scales[] = {0.25, 1.0, 0.0, -0.5, 1e30, 1e-30, NAN, INFINITY};
-  static const double softcaps[] = {0.0, 0.0, 5.0, 1e-30, -1.0, NAN, INFINITY, 30.0};
   static const int64_t windows[] = {-1, -1, 0, 1, 3, (int64_t)1 << 40, -2, INT64_MIN};
   uint8_t opt = take(r);
-  a.scale = scales[opt % 8];
-  a.softcap = softcaps[(opt >> 3) % 8];
+  a.scale = FUZZ_SCALES[opt % 8];
+  a.softcap = FUZZ_SOFTCAPS[(opt >> 3) % 8];
   a.causal = (opt >> 6) & 1;
   a.window_left = windows[take(r) % 8];
-  a.k_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.D}, 0);
-  a.v_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.Dv}, 0);
-  if (pkv_dtype_is_fp8(a.k_cache.dtype) || take(r) == 7)
-    a.k_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.D, g.G)}, 1);
-  if (pkv_dtype_is_fp8(a.v_cache.dtype) || take(r) == 7)
-    a.v_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.Dv, g.G)}, 1);
-  a.q = decode_tensor(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.D}, 0);
-  /* usually q's dtype, as the op requires */
-  a.out = decode_tensor_as(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.Dv}, 0, take(r) % 8 ? (int)a.q.dtype : -1);
+  attention_operands o = decode_attention_operands(r, &m, &g);
+  a.k_cache = o.k_cache, a.v_cache = o.v_cache, a.k_scales = o.k_scales, a.v_scales = o.v_scales;
+  a.q = o.q, a.out = o.out;
   a.input_row_offsets = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B + 1}, 0);
   a.cache_lengths = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B}, 0);
   a.lookup_table = decode_tensor(r, &m, 2, 2, (int64_t[]){g.B, g.cols}, 0);
@@ -505,20 +521,13 @@ static void fuzz_sparse(reader *r) {
   pkv_sparse_args a;
   memset(&a, 0, sizeof a);
   a.quant_group = take(r) == 255 ? -(int64_t)take(r) : g.G;
-  static const double scales[] = {0.25, 1.0, 0.0, -0.5, 1e30, 1e-30, NAN, INFINITY};
-  static const double softcaps[] = {0.0, 0.0, 5.0, 1e-30, -1.0, NAN, INFINITY, 30.0};
   uint8_t opt = take(r);
-  a.scale = scales[opt % 8];
-  a.softcap = softcaps[(opt >> 3) % 8];
+  a.scale = FUZZ_SCALES[opt % 8];
+  a.softcap = FUZZ_SOFTCAPS[(opt >> 3) % 8];
   int64_t lists = opt & 0x40 ? 1 : g.Hk, K = take_below(r, 9);
-  a.k_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.D}, 0);
-  a.v_cache = decode_tensor(r, &m, 1, 4, (int64_t[]){g.N, g.P, g.Hk, g.Dv}, 0);
-  if (pkv_dtype_is_fp8(a.k_cache.dtype) || take(r) == 7)
-    a.k_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.D, g.G)}, 1);
-  if (pkv_dtype_is_fp8(a.v_cache.dtype) || take(r) == 7)
-    a.v_scales = decode_tensor(r, &m, 3, 4, (int64_t[]){g.N, g.P, g.Hk, pkv_num_groups(g.Dv, g.G)}, 1);
-  a.q = decode_tensor(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.D}, 0);
-  a.out = decode_tensor_as(r, &m, 0, 3, (int64_t[]){g.T, g.Hq, g.Dv}, 0, take(r) % 8 ? (int)a.q.dtype : -1);
+  attention_operands o = decode_attention_operands(r, &m, &g);
+  a.k_cache = o.k_cache, a.v_cache = o.v_cache, a.k_scales = o.k_scales, a.v_scales = o.v_scales;
+  a.q = o.q, a.out = o.out;
   a.sinks = decode_tensor(r, &m, 3, 1, (int64_t[]){g.Hq}, 1);
   a.indices = decode_tensor(r, &m, 2, 3, (int64_t[]){g.T, lists, K}, 0);
   pkv_tensor *ix = &a.indices;
