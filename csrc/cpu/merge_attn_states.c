@@ -45,6 +45,7 @@ void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end) {
       float wa, wb, lse;
       pkv_merge_weights(lse_at(&a->lse_a, row, h), lse_at(&a->lse_b, row, h), &wa, &wb, &lse);
       ((float *)a->lse.data)[row * a->lse.strides[0] + h * a->lse.strides[1]] = lse;
+      if (dv == 0) continue; /* no values: the outs are empty and their data may be NULL (no arithmetic on it) */
       int64_t ia = row * oa.stride_row + h * oa.stride_head, ib = row * ob.stride_row + h * ob.stride_head;
       int64_t io = row * out.stride_row + h * out.stride_head;
       if (oa.dtype == PKV_DTYPE_F32 && ob.dtype == PKV_DTYPE_F32 && out.dtype == PKV_DTYPE_F32) {

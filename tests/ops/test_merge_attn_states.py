@@ -27,6 +27,21 @@ def test_merge_with_parts_that_saw_no_key(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(2, 1, 0), (0, 3, 8)])
+def test_merge_of_empty_parts(device, shape):
+    """No values per head (Dv = 0: the log-sum-exps still merge) or no rows: tensors that may have no
+    data pointer at all (the C fuzzer found address arithmetic on one)."""
+    gen = generator(3)
+    out_a, out_b = randn(gen, shape, torch.float32, device), randn(gen, shape, torch.float32, device)
+    lse_a, lse_b = randn(gen, shape[:2], torch.float32, device), randn(gen, shape[:2], torch.float32, device)
+    merged, merged_lse = pagedkv.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    expected, expected_lse = ref.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert merged.shape == shape
+    torch.testing.assert_close(merged_lse, expected_lse)
+    torch.testing.assert_close(merged, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
 def test_merge_matches_reference(device, dtype):
     gen = generator(seed_from("merge", dtype_name(dtype)))
