@@ -258,7 +258,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
   int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
-                   2 * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + 16 * nq;
+                   2 * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
   size_t ptr_bytes = (size_t)(4 * PKV_CPU_TILE_SLOTS * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
   char *mem = (char *)aligned_alloc(64, bytes);
@@ -284,7 +284,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->qt = (uint32_t *)f, f += nq * d2p;
   w->qa = (uint32_t *)f, f += d2p * (nq + 16);
   w->sk = f, f += nq * keys;
-  w->lv = f, f += 16 * nq;
+  w->lv = f, f += PKV_CPU_MAX_LANES * nq;
   memset(w->zero, 0, (size_t)dp * sizeof(uint32_t));
   const void **p = (const void **)f;
   w->kptr = p, p += PKV_CPU_TILE_SLOTS * keys;

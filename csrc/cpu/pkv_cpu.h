@@ -42,7 +42,7 @@ typedef struct {
   float *s;            /* [nq, KEYS] scores, then probabilities */
   float *acc;          /* [nq, pad(dv)] unnormalised output */
   float *m, *l;        /* [nq] running max (natural units) and sum */
-  float *lv;           /* [nq, 16] the sums per vector lane while the tiles run (reduced once) */
+  float *lv;           /* [nq, MAX_LANES] the sums per vector lane while the tiles run (reduced once) */
   float *kscale, *vscale;                  /* [KEYS] per-key FP8 scales folded into scores / probabilities */
   const void **kptr, **vptr;               /* [TILE_SLOTS, KEYS] row pointers of this tile and those ahead */
   const float **ksptr, **vsptr;            /* [TILE_SLOTS, KEYS] scale rows (FP8) */
