@@ -88,6 +88,8 @@ float pkv_attn_cpu_finish_row(const pkv_attn_args *a, int64_t row, int64_t head,
 const pkv_cpu_kernels *pkv_cpu_kernels_get(void);
 /* 1 when the chosen table is AVX-512 and the CPU has AVX512_BF16 dot products. */
 int pkv_cpu_has_dot_bf16(void);
+/* 1 when the chosen kernels may use AVX512_VBMI byte permutes (AVX-512 and AMX builds). */
+int pkv_cpu_has_vbmi(void);
 
 #ifdef __cplusplus
 }

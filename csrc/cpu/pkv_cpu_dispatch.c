@@ -31,6 +31,7 @@ static int amx_permitted(void) { return 0; }
 typedef struct {
   int isa;
   int dot_bf16;
+  int vbmi; /* AVX512_VBMI byte permutes (the AVX-512 build's FP8 decode lookups) */
 } cpu_choice;
 
 #ifdef PKV_CPU_X86
@@ -42,7 +43,7 @@ static unsigned long long xcr0(void) {
 #endif
 
 static cpu_choice detect(void) {
-  cpu_choice c = {ISA_SCALAR, 0};
+  cpu_choice c = {ISA_SCALAR, 0, 0};
 #ifdef PKV_CPU_X86
   unsigned a, b, cx, d;
   if (!__get_cpuid(1, &a, &b, &cx, &d)) return c;
@@ -59,8 +60,9 @@ static cpu_choice detect(void) {
     if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) c.dot_bf16 = (a1 >> 5) & 1;
     /* AMX-BF16 (edx bit 22) and AMX-TILE (bit 24), tile state enabled in XCR0 (bits 17, 18);
      * the AMX build also uses AVX512_VBMI byte permutes (ecx bit 1; every AMX CPU has it) */
-    int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, vbmi = (cx >> 1) & 1;
-    if (c.dot_bf16 && vbmi && amx_bf16 && amx_tile && (x & 0x60000) == 0x60000) c.isa = ISA_AMX;
+    int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    c.vbmi = (cx >> 1) & 1;
+    if (c.dot_bf16 && c.vbmi && amx_bf16 && amx_tile && (x & 0x60000) == 0x60000) c.isa = ISA_AMX;
   }
   const char *want = getenv("PAGEDKV_CPU_ISA");
   if (want) {
@@ -72,12 +74,12 @@ static cpu_choice detect(void) {
   }
   /* the syscall only when AMX would be used; AVX-512 when the OS refuses */
   if (c.isa == ISA_AMX && !amx_permitted()) c.isa = ISA_AVX512;
-  if (c.isa < ISA_AVX512) c.dot_bf16 = 0;
+  if (c.isa < ISA_AVX512) c.dot_bf16 = c.vbmi = 0;
 #endif
   return c;
 }
 
-/* 0: not chosen yet; otherwise 1 + isa + 4 * dot_bf16. Racing threads compute
+/* 0: not chosen yet; otherwise 1 + isa + 4 * dot_bf16 + 8 * vbmi. Racing threads compute
  * the same value, so a relaxed store is enough. */
 static int chosen;
 
@@ -85,10 +87,10 @@ static cpu_choice choice(void) {
   int v = __atomic_load_n(&chosen, __ATOMIC_RELAXED);
   if (!v) {
     cpu_choice c = detect();
-    v = 1 + c.isa + 4 * c.dot_bf16;
+    v = 1 + c.isa + 4 * c.dot_bf16 + 8 * c.vbmi;
     __atomic_store_n(&chosen, v, __ATOMIC_RELAXED);
   }
-  cpu_choice c = {(v - 1) & 3, (v - 1) >> 2};
+  cpu_choice c = {(v - 1) & 3, ((v - 1) >> 2) & 1, (v - 1) >> 3};
   return c;
 }
 
@@ -118,3 +120,5 @@ pkv_sparse_cpu_fn pkv_cpu_sparse_get(void) {
 }
 
 int pkv_cpu_has_dot_bf16(void) { return choice().dot_bf16; }
+
+int pkv_cpu_has_vbmi(void) { return choice().vbmi; }

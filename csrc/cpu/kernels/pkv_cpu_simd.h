@@ -258,10 +258,12 @@ PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
   _mm512_storeu_si512((void *)dst, vi_e4m3_to_bf16_32(p));
 }
 
-#if defined(__AVX512VBMI__)
-/* With VBMI (the AMX build): byte lookups, 64 codes at a time. vpermi2b is one
- * uop where vpermi2w is three, and the decode's FP8 K and V conversion was the
- * largest cost of FP8 decode (tables: the high and low bytes of the bf16 bits). */
+/* Byte lookups with AVX512_VBMI, 64 codes at a time: vpermi2b is one uop where vpermi2w is
+ * three, and FP8 conversion was the largest cost of FP8 decode (tables: the high and low bytes
+ * of the bf16 bits). The AMX build has VBMI throughout; the AVX-512 build (which also runs on
+ * CPUs without it) compiles the functions that use it with PKV_VBMI and calls them only when
+ * cpuid reports VBMI (pkv_cpu_has_vbmi). */
+#define PKV_VBMI __attribute__((target("avx512vbmi")))
 #define PKV_HI_BYTE(x) (uint8_t)((x) >> 8)
 #define PKV_LO_BYTE(x) (uint8_t)((x) & 0xff)
 static const uint8_t pkv_e4m3_bf16_hi[128] = {PKV_E4M3_BF16(PKV_HI_BYTE)};
@@ -269,18 +271,19 @@ static const uint8_t pkv_e4m3_bf16_lo[128] = {PKV_E4M3_BF16(PKV_LO_BYTE)};
 #undef PKV_HI_BYTE
 #undef PKV_LO_BYTE
 
-/* the first n (<= 64) bytes of p, zeros after them; nothing past p + n is read */
-PKV_AI __m512i vi_load_bytes(const uint8_t *p, int n) {
-  return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), p);
-}
-
 /* bf16 bytes of 64 codes already in register c: *hi (with the sign) and *lo. */
-PKV_AI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
+PKV_AI PKV_VBMI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
   const __m512i *th = (const __m512i *)pkv_e4m3_bf16_hi, *tl = (const __m512i *)pkv_e4m3_bf16_lo;
   /* the index's bit 7 (the sign) is ignored by the lookup and or-ed back after it */
   __m512i h = _mm512_permutex2var_epi8(_mm512_loadu_si512(th), c, _mm512_loadu_si512(th + 1));
   *hi = _mm512_ternarylogic_epi32(h, c, _mm512_set1_epi8((char)0x80), 0xf8); /* h | (c & 0x80) */
   *lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(tl), c, _mm512_loadu_si512(tl + 1));
+}
+
+#if defined(__AVX512VBMI__)
+/* the first n (<= 64) bytes of p, zeros after them; nothing past p + n is read */
+PKV_AI __m512i vi_load_bytes(const uint8_t *p, int n) {
+  return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), p);
 }
 
 /* Up to 64 codes (n in (0, 64], nothing read past p + n) -> bf16 bits of codes
