@@ -10,7 +10,13 @@ packed tiles instead, read per call, so both paths run in this process on the sa
   block on AVX-512) and 128, odd key counts, a split-KV row (1100 keys);
 - e4m3 NaN codes in K (the KV head's query rows become NaN) and in V (those columns become NaN).
 On the scalar kernels both settings run the packed path and the test still holds; on the AMX kernels
-16-bit queries over bf16/e4m3 rows keep the AMX tiles (the queries here are float32: direct).
+16-bit queries over bf16/e4m3 rows keep the AMX tiles.
+
+With bf16 queries, the AVX-512 kernels on a CPU with AVX512_BF16 run the direct decode on bf16 dot
+products (csrc/cpu/kernels/decode_dot.inc) for bf16 rows (D a multiple of 32, Dv of 64) and raw e4m3
+rows with one scale per row (D, Dv multiples of 64, VBMI); PAGEDKV_CPU_DECODE=fma keeps the float32
+products there. So every test here runs for float32 and bf16 queries under all three settings:
+"direct" (the default choice), "fma" and "packed".
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import pagedkv
 from pagedkv import reference as ref
 
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
-PATHS = ["direct", "packed"]
+PATHS = ["direct", "fma", "packed"]
+Q_DTYPES = [torch.float32, torch.bfloat16]
 LENGTHS = [1, 77, 300, 1100]  # cached keys per row, the new token included: odd tiles, one split-KV row
 PAGE = 16
 
@@ -46,7 +53,7 @@ def make_cache(gen, num_pages, hk, d, dtype, group):
     return codes, scale.squeeze(-1).contiguous()
 
 
-def decode_case(seed, dtype, group, q_heads, hk, d):
+def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     pages = [(n + PAGE - 1) // PAGE for n in LENGTHS]
     num_pages = sum(pages) + 3
@@ -58,33 +65,55 @@ def decode_case(seed, dtype, group, q_heads, hk, d):
         at += n
     k, ks = make_cache(gen, num_pages, hk, d, dtype, group)
     v, vs = make_cache(gen, num_pages, hk, d, dtype, group)
-    q = torch.randn(len(LENGTHS), q_heads, d, generator=gen)
+    q = torch.randn(len(LENGTHS), q_heads, d, generator=gen).to(q_dtype)
     offsets = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
     lengths = torch.tensor([n - 1 for n in LENGTHS], dtype=torch.int32)  # the new token is already stored
     kwargs = dict(k_scales=ks, v_scales=vs, quant_group=group)
     return q, (offsets, k, v, lengths, table), kwargs
 
 
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32), (4, 1, 80, 16)])
-def test_direct_decode_matches_reference(monkeypatch, path, dtype, q_heads, hk, d, group):
+@pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32), (4, 1, 80, 16),
+                                                (8, 2, 64, 64), (3, 1, 192, 192), (7, 1, 96, 96)])
+def test_direct_decode_matches_reference(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group):
+    """D 64 / 128 / 192 with one scale per row: the bf16 dot decode's bf16 and e4m3 rows (QK blocks of
+    4 query vectors and their remainders 1..3); D 96 (V not whole 64-column blocks) and e4m3 groups
+    smaller than D: the float32 products."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
-    q, args, kwargs = decode_case(zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode()), dtype, group, q_heads, hk, d)
+    seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
+    q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
     out = pagedkv.flash_attn_paged(q, *args, **kwargs)
     want = ref.flash_attn_paged(q.double(), *args, **kwargs)
-    assert_attention_close(out, want, torch.float32, f"{path} {dtype} gqa {q_heads // hk} D {d} G {group}")
+    assert_attention_close(out, want, q_dtype, f"{path} q {q_dtype} {dtype} gqa {q_heads // hk} D {d} G {group}")
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kdt,vdt", [(torch.bfloat16, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.bfloat16)],
+                         ids=["k_bf16-v_e4m3", "k_e4m3-v_bf16"])
+def test_direct_decode_mixed_cache_dtypes(monkeypatch, path, kdt, vdt):
+    """K and V of different dtypes take their own conversions (the e4m3 side in its own slot order)."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    q, (offsets, k, _, lengths, table), kw = decode_case(11, kdt, 128, 8, 2, 128, torch.bfloat16)
+    _, (_, _, v, _, _), vkw = decode_case(12, vdt, 128, 8, 2, 128, torch.bfloat16)  # same shapes, other values
+    args = (offsets, k, v, lengths, table)
+    scales = dict(k_scales=kw["k_scales"], v_scales=vkw["v_scales"], quant_group=128)
+    out = pagedkv.flash_attn_paged(q, *args, **scales)
+    want = ref.flash_attn_paged(q.double(), *args, **scales)
+    assert_attention_close(out, want, torch.bfloat16, f"{path} K {kdt} V {vdt}")
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("group", [128, 32])
-def test_direct_decode_e4m3_nan_codes(monkeypatch, path, where, group):
+def test_direct_decode_e4m3_nan_codes(monkeypatch, q_dtype, path, where, group):
     """NaN codes (0x7f, 0xff) in a visible K row make the query rows of that KV head NaN (a NaN key is
     never dropped: the CPU kernels' rule, tests/test_cpu_kernels_isa.py); in a V row they make those
     columns NaN (p * NaN, as in the reference). Everything else matches the reference."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
-    q, (offsets, k, v, lengths, table), kwargs = decode_case(7, torch.float8_e4m3fn, group, 8, 2, 128)
+    q, (offsets, k, v, lengths, table), kwargs = decode_case(7, torch.float8_e4m3fn, group, 8, 2, 128, q_dtype)
     cache = k if where == "k" else v
     bits = cache.view(torch.uint8)
     page, slot = int(table[2, 40 // PAGE]), 40 % PAGE  # row 2 (300 keys), key 40, KV head 1 (q heads 4..7)
@@ -102,4 +131,5 @@ def test_direct_decode_e4m3_nan_codes(monkeypatch, path, where, group):
     k2, v2 = (clean, v) if where == "k" else (k, clean)
     want = ref.flash_attn_paged(q.double(), offsets, k2, v2, lengths, table, **kwargs)
     other = ~nan_where.any(-1)  # query rows without a NaN: the NaN key/columns do not reach them
-    torch.testing.assert_close(out[other].double(), want[other], atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16 output (and bf16 probabilities on the dot path)
+    torch.testing.assert_close(out[other].double(), want[other], atol=tol, rtol=tol)
