@@ -26,8 +26,10 @@ read ceiling (benchmarks/probes/read_ceiling.c through ctypes: vector loads summ
 same byte size as the K/V, bf16 and FP8 + scales, with torch's thread count). % of ceiling = decode
 GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, same threads, values of
 the same distribution: standard normal) runs as a subprocess right after each shape's rounds when
-benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message). --packed adds
-the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed) for bf16 and e4m3: before/after ratios.
+benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message).
+--baseline-path packed|fma (--packed: packed) adds another decode path of the same build for bf16 and
+e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decode where the default takes
+the AVX512_BF16 dot products): before/after ratios.
 """
 
 from __future__ import annotations
@@ -167,9 +169,10 @@ def issue26_case(B, L, gen, lib, args):
                                                                               k_scales=ks, v_scales=vs))(k8, ks, v8, vs)
         err = (cands[name]().float() - out.float()).abs().max().item()
         assert err < 0.25, f"{name} decode differs from bf16 by {err}"  # a sanity check, not a test
-    if args.packed:  # the packed-tile path of the same build (PAGEDKV_CPU_DECODE=packed), for before/after ratios
+    base = args.baseline_path
+    if base:  # another decode path of the same build (PAGEDKV_CPU_DECODE=packed|fma), for before/after ratios
         for name in ("bf16", "e4m3"):
-            cands[f"{name}_packed"] = with_decode_path("packed", cands[name])
+            cands[f"{name}_{base}"] = with_decode_path(base, cands[name])
         for name in ("bf16", "e4m3", "e5m2"):
             cands[name] = with_decode_path("default", cands[name])
     cands["ceiling_bf16"] = common.read_ceiling_call(lib, kv_bytes, threads)
@@ -187,9 +190,10 @@ def issue26_case(B, L, gen, lib, args):
         row[f"{name}_ms"] = t[name] * 1e3
         row[f"{name}_pct"] = 100 * fp8_bytes / t[name] / 1e9 / ceil_fp8
         row[f"{name}_vs_bf16"] = t["bf16"] / t[name]
-    if args.packed:
-        row.update(bf16_packed_ms=t["bf16_packed"] * 1e3, e4m3_packed_ms=t["e4m3_packed"] * 1e3,
-                   bf16_vs_packed=t["bf16_packed"] / t["bf16"], e4m3_vs_packed=t["e4m3_packed"] / t["e4m3"])
+    if base:
+        for name in ("bf16", "e4m3"):
+            row[f"{name}_{base}_ms"] = t[f"{name}_{base}"] * 1e3
+            row[f"{name}_vs_{base}"] = t[f"{name}_{base}"] / t[name]
     if ggml:
         row.update(ggml=ggml, ggml_f16_ms=ggml["f16"], ggml_q8_0_ms=ggml["q8_0"], bf16_vs_ggml_f16=ggml["f16"] / (t["bf16"] * 1e3),
                    e4m3_vs_ggml_q8_0=ggml["q8_0"] / (t["e4m3"] * 1e3))
@@ -215,7 +219,8 @@ def issue26_main(args):
         common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16"])
     cols = ["case", "kv_MB", "llc_MiB", "bf16_ms", "bf16_gbps", "ceiling_gbps", "bf16_pct", "e4m3_ms", "e4m3_pct",
             "e4m3_vs_bf16", "e5m2_ms", "e5m2_vs_bf16", "ggml_f16_ms", "ggml_q8_0_ms", "bf16_vs_ggml_f16",
-            "e4m3_vs_ggml_q8_0"] + (["bf16_vs_packed", "e4m3_vs_packed"] if args.packed else [])
+            "e4m3_vs_ggml_q8_0"] + ([f"bf16_vs_{args.baseline_path}", f"e4m3_vs_{args.baseline_path}"]
+                                    if args.baseline_path else [])
     print()
     common.print_table(rows, cols)
     env["load_average_after"] = list(os.getloadavg())
@@ -254,8 +259,12 @@ def main():
     p = common.base_parser(__doc__)
     p.add_argument("--pages", action="store_true", help="page-size sweep (default in full mode)")
     p.add_argument("--issue26", action="store_true", help="issue 26 shapes against the native read ceiling and ggml")
-    p.add_argument("--packed", action="store_true",
-                   help="with --issue26: also time the packed-tile decode path (PAGEDKV_CPU_DECODE=packed)")
+    p.add_argument("--baseline-path", choices=["packed", "fma"], default=None,
+                   help="with --issue26: also time this decode path of the same build for bf16 and e4m3 "
+                        "(PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the direct decode on float32 FMAs "
+                        "where the default takes the bf16 dot products)")
+    p.add_argument("--packed", action="store_const", const="packed", dest="baseline_path",
+                   help="the same as --baseline-path packed")
     args = p.parse_args()
     common.setup(args)
     if args.issue26:
