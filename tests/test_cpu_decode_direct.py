@@ -133,3 +133,27 @@ def test_direct_decode_e4m3_nan_codes(monkeypatch, q_dtype, path, where, group):
     other = ~nan_where.any(-1)  # query rows without a NaN: the NaN key/columns do not reach them
     tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16 output (and bf16 probabilities on the dot path)
     torch.testing.assert_close(out[other].double(), want[other], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
+    """Every one of the 256 codes as a V value: a row with one key outputs its V row times the scale
+    (probability 1), so each code's widening (the bf16 tables of the dot decode included) is checked
+    exactly against torch's conversion, NaN and infinities too."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    d = 128
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(2, 1, 1, d)  # 2 rows of 128 codes
+    v = torch.zeros(2, PAGE, 1, d, dtype=torch.uint8)
+    v[:, :1] = codes
+    v = v.view(dtype)
+    k = torch.ones(2, PAGE, 1, d).to(dtype)
+    ones = torch.ones(2, PAGE, 1, 1)
+    q = torch.randn(2, 4, d, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    offsets = torch.arange(3, dtype=torch.int32)
+    lengths = torch.zeros(2, dtype=torch.int32)  # one key: the new token
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    out = pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table, k_scales=ones, v_scales=ones, quant_group=d)
+    want = v[:, 0, 0].float().unsqueeze(1).expand(2, 4, d)  # exact in bf16 and float32
+    torch.testing.assert_close(out.float(), want, atol=0, rtol=0, equal_nan=True)

@@ -264,20 +264,40 @@ PKV_AI void v_e4m3_to_bf16_32(const uint8_t *p, uint16_t *dst) {
  * CPUs without it) compiles the functions that use it with PKV_VBMI and calls them only when
  * cpuid reports VBMI (pkv_cpu_has_vbmi). */
 #define PKV_VBMI __attribute__((target("avx512vbmi")))
+/* bf16 bits of e5m2 magnitudes 0..127 (exact: subnormals M * 2^-16, then inf and NaN), F applied */
+#define PKV_E5M2_NORM(e, m) (uint16_t)((((e) + 112) << 7) | ((m) << 5))
+#define PKV_E5M2_ROW(F, e) F(PKV_E5M2_NORM(e, 0)), F(PKV_E5M2_NORM(e, 1)), F(PKV_E5M2_NORM(e, 2)), F(PKV_E5M2_NORM(e, 3))
+#define PKV_E5M2_BF16(F) \
+    F(0), F(0x3780), F(0x3800), F(0x3840), PKV_E5M2_ROW(F, 1), PKV_E5M2_ROW(F, 2), PKV_E5M2_ROW(F, 3), \
+    PKV_E5M2_ROW(F, 4), PKV_E5M2_ROW(F, 5), PKV_E5M2_ROW(F, 6), PKV_E5M2_ROW(F, 7), PKV_E5M2_ROW(F, 8), \
+    PKV_E5M2_ROW(F, 9), PKV_E5M2_ROW(F, 10), PKV_E5M2_ROW(F, 11), PKV_E5M2_ROW(F, 12), PKV_E5M2_ROW(F, 13), \
+    PKV_E5M2_ROW(F, 14), PKV_E5M2_ROW(F, 15), PKV_E5M2_ROW(F, 16), PKV_E5M2_ROW(F, 17), PKV_E5M2_ROW(F, 18), \
+    PKV_E5M2_ROW(F, 19), PKV_E5M2_ROW(F, 20), PKV_E5M2_ROW(F, 21), PKV_E5M2_ROW(F, 22), PKV_E5M2_ROW(F, 23), \
+    PKV_E5M2_ROW(F, 24), PKV_E5M2_ROW(F, 25), PKV_E5M2_ROW(F, 26), PKV_E5M2_ROW(F, 27), PKV_E5M2_ROW(F, 28), \
+    PKV_E5M2_ROW(F, 29), PKV_E5M2_ROW(F, 30), F(0x7f80), F(0x7fc0), F(0x7fc0), F(0x7fc0)
 #define PKV_HI_BYTE(x) (uint8_t)((x) >> 8)
 #define PKV_LO_BYTE(x) (uint8_t)((x) & 0xff)
-static const uint8_t pkv_e4m3_bf16_hi[128] = {PKV_E4M3_BF16(PKV_HI_BYTE)};
-static const uint8_t pkv_e4m3_bf16_lo[128] = {PKV_E4M3_BF16(PKV_LO_BYTE)};
+/* per FP8 dtype (PKV_FP8_E4M3, PKV_FP8_E5M2): the high bytes of the 128 magnitudes' bf16 bits, then the low */
+enum { PKV_FP8_E4M3 = 0, PKV_FP8_E5M2 = 1 };
+static const uint8_t pkv_fp8_bf16_bytes[2][256] = {
+    {PKV_E4M3_BF16(PKV_HI_BYTE), PKV_E4M3_BF16(PKV_LO_BYTE)},
+    {PKV_E5M2_BF16(PKV_HI_BYTE), PKV_E5M2_BF16(PKV_LO_BYTE)},
+};
 #undef PKV_HI_BYTE
 #undef PKV_LO_BYTE
 
-/* bf16 bytes of 64 codes already in register c: *hi (with the sign) and *lo. */
-PKV_AI PKV_VBMI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
-  const __m512i *th = (const __m512i *)pkv_e4m3_bf16_hi, *tl = (const __m512i *)pkv_e4m3_bf16_lo;
+/* bf16 bytes of 64 FP8 codes (tab: a pkv_fp8_bf16_bytes row) already in register c: *hi (with the
+ * sign) and *lo. */
+PKV_AI PKV_VBMI void vi_fp8_bf16_bytes(__m512i c, const uint8_t *tab, __m512i *hi, __m512i *lo) {
+  const __m512i *th = (const __m512i *)tab, *tl = (const __m512i *)(tab + 128);
   /* the index's bit 7 (the sign) is ignored by the lookup and or-ed back after it */
   __m512i h = _mm512_permutex2var_epi8(_mm512_loadu_si512(th), c, _mm512_loadu_si512(th + 1));
   *hi = _mm512_ternarylogic_epi32(h, c, _mm512_set1_epi8((char)0x80), 0xf8); /* h | (c & 0x80) */
   *lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(tl), c, _mm512_loadu_si512(tl + 1));
+}
+
+PKV_AI PKV_VBMI void vi_e4m3_bf16_bytes(__m512i c, __m512i *hi, __m512i *lo) {
+  vi_fp8_bf16_bytes(c, pkv_fp8_bf16_bytes[PKV_FP8_E4M3], hi, lo);
 }
 
 #if defined(__AVX512VBMI__)
