@@ -76,11 +76,12 @@ def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32), (4, 1, 80, 16),
-                                                (8, 2, 64, 64), (3, 1, 192, 192), (7, 1, 96, 96)])
+                                                (8, 2, 64, 64), (3, 1, 192, 192), (7, 1, 96, 96), (7, 1, 128, 128),
+                                                (16, 2, 64, 64)])
 def test_direct_decode_matches_reference(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group):
-    """D 64 / 128 / 192 with one scale per row: the bf16 dot decode's bf16 and e4m3 rows (QK blocks of
-    4 query vectors and their remainders 1..3); D 96 (V not whole 64-column blocks) and e4m3 groups
-    smaller than D: the float32 products."""
+    """D 64 / 128 / 192 with one scale per row: the bf16 dot decode's bf16 and FP8 rows (QK and PV
+    blocks of 4 query vectors and their remainders 1..3; GQA 7 and 8: two blocks); D 96 (V not whole
+    64-column blocks) and FP8 groups smaller than D: the float32 products."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
     q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
