@@ -284,6 +284,12 @@ def test_build_info_matches_this_process():
     if not os.environ.get("PAGEDKV_CPU_ISA"):
         assert info["cpu_kernel_in_use"] == available[-1] or (available[-1], info["cpu_kernel_in_use"]) == (
             "amx", "avx512")
+    # the FP8 byte lookups need an AVX-512 table and VBMI in cpuid (what /proc/cpuinfo lists on Linux)
+    if info["cpu_kernel_in_use"] in ("scalar", "avx2"):
+        assert not info["cpu_fp8_byte_lookups"] and not info["cpu_bf16_dot_products"]
+    elif os.path.exists("/proc/cpuinfo"):
+        flags = set(open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split())
+        assert info["cpu_fp8_byte_lookups"] == ("avx512vbmi" in flags)
 
 
 def test_python_m_pagedkv_reports_and_self_tests_a_capped_isa(tmp_path):

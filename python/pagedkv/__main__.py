@@ -96,6 +96,7 @@ def report_lines(info: dict) -> list[str]:
     kernels = ", ".join(info["cpu_kernels_available"])
     request = f", PAGEDKV_CPU_ISA={info['PAGEDKV_CPU_ISA']}" if info["PAGEDKV_CPU_ISA"] else ""
     dot = ", bf16 dot products" if info["cpu_bf16_dot_products"] else ""
+    dot += " (FP8 rows through VBMI byte lookups)" if dot and info["cpu_fp8_byte_lookups"] else ""
     return [
         f"pagedkv {info['pagedkv']} at {info['package_dir']}",
         f"python {info['python']} on {info['platform']}",

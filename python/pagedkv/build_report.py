@@ -171,5 +171,7 @@ def build_info() -> dict:
         "cpu_kernels_available": cpu_kernels_available(),
         "cpu_kernel_in_use": cpu_kernel_in_use(),
         "cpu_bf16_dot_products": bool(library.pkv_cpu_has_dot_bf16()),
+        # AVX512_VBMI byte lookups: FP8 rows widened to bf16 in registers for the bf16 dot products
+        "cpu_fp8_byte_lookups": bool(library.pkv_cpu_has_vbmi()),
         "PAGEDKV_CPU_ISA": os.environ.get("PAGEDKV_CPU_ISA"),
     }
