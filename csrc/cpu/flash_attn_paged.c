@@ -258,7 +258,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
   int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
-                   2 * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
+                   2 * nq * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
   size_t ptr_bytes = (size_t)(4 * PKV_CPU_TILE_SLOTS * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
   char *mem = (char *)aligned_alloc(64, bytes);
@@ -276,8 +276,8 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->acc = f, f += nq * dvp;
   w->m = f, f += nqp;
   w->l = f, f += nqp;
-  w->kscale = f, f += keys;
-  w->vscale = f, f += keys;
+  w->kscale = f, f += nq * keys; /* direct decode: [KV heads of the item][KEYS] */
+  w->vscale = f, f += nq * keys;
   w->zero = (uint32_t *)f, f += dp;
   w->pb = (uint16_t *)f, f += nq * keys / 2 * PKV_CPU_PV_TILES;
   w->vb = (uint32_t *)f, f += keys / 2 * dvp * PKV_CPU_PV_TILES;

@@ -43,7 +43,8 @@ typedef struct {
   float *acc;          /* [nq, pad(dv)] unnormalised output */
   float *m, *l;        /* [nq] running max (natural units) and sum */
   float *lv;           /* [nq, MAX_LANES] the sums per vector lane while the tiles run (reduced once) */
-  float *kscale, *vscale;                  /* [KEYS] per-key FP8 scales folded into scores / probabilities */
+  float *kscale, *vscale;                  /* [nq, KEYS] per-key FP8 scales folded into scores / probabilities:
+                                            * row 0, or one row per KV head of the item (direct decode) */
   const void **kptr, **vptr;               /* [TILE_SLOTS, KEYS] row pointers of this tile and those ahead */
   const float **ksptr, **vsptr;            /* [TILE_SLOTS, KEYS] scale rows (FP8) */
   uint32_t *zero;                          /* [pad(d)] a zero row for padding keys */
