@@ -149,7 +149,7 @@ def bench_decode(timer, cfg, ceil):
         ops.flash_attn_paged.out(q, offs, pool["k"], pool["v"], cached, pool["table"], None, True, pool["ks"],
                                  pool["vs"], 128, -1, 0.0, out=out)
 
-    res = {"op": "decode", **{k: (str(v) if k == "dtype" else v) for k, v in cfg.items() if k != "lens"}}
+    res = {"op": "decode", **{k: (str(v) if k == "dtype" else v) for k, v in cfg.items() if k not in ("lens", "no_flex")}}
     res["lens"] = "skewed" if cfg.get("lens") else "constant"
     t = timer(run)
     tg = timer.graph(run)
@@ -169,7 +169,8 @@ def bench_decode(timer, cfg, ceil):
                 lv = pool["v"][pool["table"].long()].reshape(b, -1, hk, d)[:, :L].transpose(1, 2)
                 return F.scaled_dot_product_attention(q4, lk, lv, enable_gqa=True)
             res["gather_sdpa_s"] = timer(gather_sdpa)
-        res["flex_paged_s"], res["flex_note"] = flex_paged(timer, pool, q4, b, L, hq, hk, d, page, es)
+        if not cfg.get("no_flex"):
+            res["flex_paged_s"], res["flex_note"] = flex_paged(timer, pool, q4, b, L, hq, hk, d, page, es)
         del kc, vc
     del pool
     torch.cuda.empty_cache()
@@ -229,11 +230,28 @@ def bench_prefill(timer, cfg, ceil):
     kc, vc = contiguous_kv(pool, b, hk, d)
     q4 = q.view(b, L, hq, d).transpose(1, 2)
     if prefix == 0:
-        res["sdpa_contiguous_s"] = timer(lambda: F.scaled_dot_product_attention(q4, kc, vc, is_causal=True,
-                                                                                  enable_gqa=True))
+        res["sdpa_contiguous_s"], res["sdpa_backend"] = sdpa_flash_causal(timer, q4, kc, vc)
     del pool, kc, vc
     torch.cuda.empty_cache()
     return res
+
+
+def sdpa_flash_causal(timer, q4, kc, vc):
+    """Causal SDPA on contiguous K/V through the flash backend (GQA as SDPA's enable_gqa, or K/V
+    repeated per query head beforehand where this torch's flash backend refuses enable_gqa)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(k, v, gqa):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=gqa)
+
+    try:
+        run(kc, vc, True)
+        return timer(lambda: run(kc, vc, True)), "flash (enable_gqa)"
+    except RuntimeError:
+        rep = q4.shape[1] // kc.shape[1]
+        kr, vr = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+        return timer(lambda: run(kr, vr, False)), "flash (K/V repeated per query head)"
 
 
 def bench_store_load(timer, cfg, ceil):
@@ -317,6 +335,17 @@ def bench_sparse(timer, cfg, ceil):
 # ----------------------------------------------------------------------------- grid
 
 
+def grid_issue22():
+    """Issue 22's shapes: decode B=32 L=8k Hq/Hk 32/8 D 128 (bf16 and FP8, page 16, with every peer;
+    bf16 at pages 1, 64, 256), prefill B=8 L=4k causal against SDPA's flash backend."""
+    main = dict(B=32, L=8192, Hq=32, Hk=8, D=128, P=16, id="I22-dec")
+    dec = [dict(main, dtype=dt) for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)]
+    dec += [dict(main, P=p, dtype=torch.bfloat16, id="I22-page", no_flex=True) for p in (1, 64, 256)]
+    pre = [dict(B=8, L=4096, Hq=32, Hk=8, D=128, P=16, id="I22-pre")]
+    sl = [dict(T=131072, dtype=dt, id="S/L") for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    return dec, pre, sl, []
+
+
 def grid(quick):
     dec = []
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -357,52 +386,11 @@ def fmt(x, scale=1e6, unit="us"):
     return "-" if x is None else f"{x * scale:.1f}{unit}"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--quick", action="store_true", help="a few points of each table")
-    ap.add_argument("--reps", type=int, default=100)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    timer = Timer(reps=args.reps)
-    ceil = ceilings(timer)
-    meta = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": git_commit(), "torch": torch.__version__, "cuda": torch.version.cuda, **ceil,
-            "loaders": [n for i, n in enumerate(pagedkv._C.cuda_loader_names)
-                        if pagedkv._C.cuda_loader_available(0, i)], "method": __doc__.strip().split("\n\n")[1]}
-    print(json.dumps(meta, indent=1))
-    dec, pre, sl, sp = grid(args.quick)
-    rows = []
-    for cfg in dec:
-        r = bench_decode(timer, cfg, ceil)
-        rows.append(r)
-        print(f"{r['id']:7s} decode {r['dtype']:20s} B={r['B']:4d} L={r['L']:6d} P={r['P']:3d} {r['lens']:8s} "
-              f"{fmt(r['pagedkv_s'])} graph {fmt(r['pagedkv_graph_s'])} = {100 * r['bw_frac_of_copy']:.0f}% of copy | "
-              f"sdpa {fmt(r.get('sdpa_contiguous_s'))} gather+sdpa {fmt(r.get('gather_sdpa_s'))} "
-              f"flex {fmt(r.get('flex_paged_s'))}", flush=True)
-    for cfg in pre:
-        r = bench_prefill(timer, cfg, ceil)
-        rows.append(r)
-        print(f"{r['id']:8s} prefill B={r['B']} L={r['L']} Hk={r['Hk']} prefix={r.get('prefix', 0)} "
-              f"{fmt(r['pagedkv_s'], 1e3, 'ms')} {r['tflops']:.0f} TFLOP/s | sdpa {fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')}",
-              flush=True)
-    for cfg in sl:
-        r = bench_store_load(timer, cfg, ceil)
-        rows.append(r)
-        print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
-              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
-              flush=True)
-    for cfg in sp:
-        r = bench_sparse(timer, cfg, ceil)
-        rows.append(r)
-        bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
-        print(f"{r['id']:8s} sparse {r['dtype']:20s} B={r['B']} K={r['K']} of L={r['L']} D={r['D']} graph: "
-              f"cp.async {fmt(r['sparse_cp.async_s'])} gather4 {fmt(r['sparse_tma-gather4_s'])} "
-              f"portable {fmt(r['sparse_portable_s'])} (best {bw} of copy) | dense {fmt(r.get('dense_s'))}",
-              flush=True)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+def write_results(out, meta, ceil, rows):
+    """Rewritten after every row, so a run stopped early (a time limit) still leaves what it measured."""
+    with open(os.path.join(out, "bench_gpu.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+    with open(os.path.join(out, "bench_gpu.md"), "w") as f:
         f.write(f"# pagedkv GPU benchmarks\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, torch "
                 f"{meta['torch']} (CUDA {meta['cuda']}), loaders {meta['loaders']}\n\n")
         f.write(f"Ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
@@ -429,6 +417,56 @@ def main():
                 f.write(f"| S/L | store/load {r['dtype'].replace('torch.', '')} | T={r['T']} | store "
                         f"{fmt(r['store_s'])}, load {fmt(r['load_s'])} | - | {100 * r['store_bw_frac']:.0f}% / "
                         f"{100 * r['load_bw_frac']:.0f}% | - | torch gather {fmt(r['torch_index_select_s'])} | - |\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--quick", action="store_true", help="a few points of each table")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--issue22", action="store_true", help="only issue 22's shapes (decode B=32 L=8k, pages, prefill)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    timer = Timer(reps=args.reps)
+    ceil = ceilings(timer)
+    meta = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(), "torch": torch.__version__, "cuda": torch.version.cuda, **ceil,
+            "loaders": [n for i, n in enumerate(pagedkv._C.cuda_loader_names)
+                        if pagedkv._C.cuda_loader_available(0, i)], "method": __doc__.strip().split("\n\n")[1]}
+    print(json.dumps(meta, indent=1))
+    dec, pre, sl, sp = grid_issue22() if args.issue22 else grid(args.quick)
+    rows = []
+    for cfg in dec:
+        r = bench_decode(timer, cfg, ceil)
+        rows.append(r)
+        write_results(args.out, meta, ceil, rows)
+        print(f"{r['id']:7s} decode {r['dtype']:20s} B={r['B']:4d} L={r['L']:6d} P={r['P']:3d} {r['lens']:8s} "
+              f"{fmt(r['pagedkv_s'])} graph {fmt(r['pagedkv_graph_s'])} = {100 * r['bw_frac_of_copy']:.0f}% of copy | "
+              f"sdpa {fmt(r.get('sdpa_contiguous_s'))} gather+sdpa {fmt(r.get('gather_sdpa_s'))} "
+              f"flex {fmt(r.get('flex_paged_s'))}", flush=True)
+    for cfg in pre:
+        r = bench_prefill(timer, cfg, ceil)
+        rows.append(r)
+        write_results(args.out, meta, ceil, rows)
+        print(f"{r['id']:8s} prefill B={r['B']} L={r['L']} Hk={r['Hk']} prefix={r.get('prefix', 0)} "
+              f"{fmt(r['pagedkv_s'], 1e3, 'ms')} {r['tflops']:.0f} TFLOP/s | sdpa {fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')}",
+              flush=True)
+    for cfg in sl:
+        r = bench_store_load(timer, cfg, ceil)
+        rows.append(r)
+        write_results(args.out, meta, ceil, rows)
+        print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
+              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
+              flush=True)
+    for cfg in sp:
+        r = bench_sparse(timer, cfg, ceil)
+        rows.append(r)
+        write_results(args.out, meta, ceil, rows)
+        bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
+        print(f"{r['id']:8s} sparse {r['dtype']:20s} B={r['B']} K={r['K']} of L={r['L']} D={r['D']} graph: "
+              f"cp.async {fmt(r['sparse_cp.async_s'])} gather4 {fmt(r['sparse_tma-gather4_s'])} "
+              f"portable {fmt(r['sparse_portable_s'])} (best {bw} of copy) | dense {fmt(r.get('dense_s'))}",
+              flush=True)
     print(f"wrote {args.out}/bench_gpu.json and bench_gpu.md")
 
 

@@ -7,10 +7,16 @@
 #
 #   bash benchmarks/gpu_run.sh [all|build|test|memcheck|sass|bench]...   (default: all)
 #
-# Stages can be run one per call (each well under 10 minutes on a 16-core H100 machine).
+# `all` is build, test, bench, memcheck (in that order, the most telling first); sass only when named
+# (it compiles every target, minutes of device time; .ci/cuda_build_check.sh does the same check
+# on any machine with nvcc). Each stage has a time limit (seconds; env GPU_T_TEST, GPU_T_BENCH,
+# GPU_T_MEMCHECK), so one call fits the device tool's 10 minutes and what a stage measured before its
+# limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its table per row.
 # Uses the machine's python3 (a CUDA torch); builds in place into python/pagedkv/.
-# PAGEDKV_CUDA_ARCHS narrows the targets (default: the device's own, e.g. 90a on H100,
-# plus the three shipped targets for the sass stage).
+# Prebuilt: an extension built elsewhere against the same torch (benchmarks/gpu_prebuild.sh) waits in
+# .gpu_prebuilt/ (carried, not tracked); the build stage uses it when its record names this torch and
+# it imports with CUDA, and compiles (nproc jobs) otherwise.
+# PAGEDKV_CUDA_ARCHS narrows the targets (default: the device's own, e.g. 90a on H100).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +30,14 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH="$CUDA_HOME/bin:$PATH"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(all)
-want() { for s in "${STAGES[@]}"; do [ "$s" = all ] || [ "$s" = "$1" ] && return 0; done; return 1; }
+want() {
+  for s in "${STAGES[@]}"; do
+    [ "$s" = "$1" ] && return 0
+    [ "$s" = all ] && [ "$1" != sass ] && return 0
+  done
+  return 1
+}
+has_module() { $PY -c "import $1" >/dev/null 2>&1; }
 log() { echo "[gpu_run $(date +%H:%M:%S)] $*" | tee -a "$OUT/gpu_run.log"; }
 
 device_arch() {
@@ -43,32 +56,77 @@ nvidia-smi >>"$OUT/gpu_run.log" 2>&1
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
   2>&1 | tee -a "$OUT/gpu_run.log"
 
-if want build; then
+cuda_import_ok() {
+  $PY -c "import pagedkv, torch, sys; from pagedkv import _C; sys.exit(0 if _C.with_cuda and torch.cuda.is_available() else 1)" \
+    >>"$OUT/gpu_run.log" 2>&1
+}
+
+use_prebuilt() {
+  local so
+  so=$(ls .gpu_prebuilt/_C.cpython-*.so 2>/dev/null | head -1)
+  [ -n "$so" ] && [ -f .gpu_prebuilt/_build_config.py ] || return 1
+  grep -q "TORCH_VERSION = '$($PY -c 'import torch; print(torch.__version__)')'" .gpu_prebuilt/_build_config.py || {
+    log "prebuilt extension is for another torch: $(grep TORCH_VERSION .gpu_prebuilt/_build_config.py)"
+    return 1
+  }
+  cp "$so" .gpu_prebuilt/_build_config.py python/pagedkv/
+  cuda_import_ok || { log "prebuilt extension did not import with CUDA"; return 1; }
+  log "build: prebuilt $(basename "$so") ($(cat .gpu_prebuilt/commit 2>/dev/null))"
+}
+
+if want build && ! use_prebuilt; then
   ARCHS=${PAGEDKV_CUDA_ARCHS:-$(device_arch)}
   log "build: PAGEDKV_BUILD=cuda PAGEDKV_CUDA_ARCHS=$ARCHS"
-  PAGEDKV_BUILD=cuda PAGEDKV_CUDA_ARCHS=$ARCHS MAX_JOBS=${MAX_JOBS:-16} \
+  PAGEDKV_BUILD=cuda PAGEDKV_CUDA_ARCHS=$ARCHS MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     $PY setup.py build_clib build_ext --inplace >"$OUT/build.log" 2>&1 || {
     tail -40 "$OUT/build.log"
     log "build FAILED"
     exit 1
   }
+fi
+if want build; then
   $PY -c "import pagedkv, torch; from pagedkv import _C; print('with_cuda', _C.with_cuda, 'loaders', \
 [(n, _C.cuda_loader_available(0, i)) for i, n in enumerate(_C.cuda_loader_names)])" 2>&1 | tee -a "$OUT/gpu_run.log"
 fi
 
 if want test; then
-  log "tests: pytest tests/ (CUDA tests run, CPU tests too)"
-  $PY -m pytest tests/ -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  # the whole suite (vLLM's own tests need vLLM's venv: scripts/test_vllm.sh); xdist workers when the
+  # machine has pytest-xdist (each with 2 CPU threads), a per-test limit when it has pytest-timeout
+  # (a hung kernel then fails its test instead of the stage)
+  PAR=()
+  has_module xdist && PAR+=(-n "${GPU_TEST_WORKERS:-8}")
+  has_module pytest_timeout && PAR+=(--timeout "${GPU_TEST_TIMEOUT:-180}")
+  log "tests: pytest tests/ ${PAR[*]} (CUDA and CPU cases; limit ${GPU_T_TEST:-300}s)"
+  OMP_NUM_THREADS=2 timeout "${GPU_T_TEST:-300}" $PY -m pytest tests/ -v -rfEs -p no:cacheprovider \
+    --ignore=tests/vllm_integration "${PAR[@]}" >"$OUT/pytest.txt" 2>&1
+  log "pytest exit code $?: $(tail -1 "$OUT/pytest.txt")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
+fi
+
+if want bench; then
+  log "benchmarks: benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---issue22 --reps 50} (limit ${GPU_T_BENCH:-150}s)"
+  # shellcheck disable=SC2086
+  timeout "${GPU_T_BENCH:-150}" $PY benchmarks/bench_gpu.py --out "$OUT" ${GPU_BENCH_ARGS:---issue22 --reps 50} \
+    >"$OUT/bench.txt" 2>&1
+  log "bench exit code $?"
+  grep -v '^ ' "$OUT/bench.txt" | tail -25
+  mkdir -p benchmarks/results
+  cp "$OUT"/bench_gpu*.json "$OUT"/bench_gpu*.md benchmarks/results/ 2>/dev/null || true
 fi
 
 if want memcheck; then
-  log "compute-sanitizer memcheck on the CUDA cases of tests/ops (graphs excluded: the sanitizer serialises launches)"
+  # the kernel-path tests first: every loader at >= 4 key tiles per CTA (the long cases), then the
+  # op grids; graphs excluded (the sanitizer serialises launches)
+  log "compute-sanitizer memcheck on CUDA cases (limit ${GPU_T_MEMCHECK:-120}s)"
   if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      $PY -m pytest tests/ops -q -x -p no:cacheprovider -k "cuda and not graph and not long_decode" \
-      >"$OUT/memcheck.txt" 2>&1
-    log "memcheck exit code $? ($(grep -c 'Invalid' "$OUT/memcheck.txt") invalid accesses reported)"
-    tail -5 "$OUT/memcheck.txt"
+    timeout "${GPU_T_MEMCHECK:-120}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      $PY -m pytest -v -p no:cacheprovider -k "cuda and not graph" \
+      tests/ops/test_flash_attn_paged_kernel_paths.py tests/ops/test_paged_store.py tests/ops/test_paged_load.py \
+      tests/ops/test_flash_attn_paged_sparse_kernel_paths.py tests/ops/test_merge_attn_states.py \
+      tests/ops/test_flash_attn_paged_lse.py tests/ops/test_flash_attn_paged.py >"$OUT/memcheck.txt" 2>&1
+    log "memcheck exit code $? (124: stopped at its limit); $(grep -c 'Invalid' "$OUT/memcheck.txt") invalid accesses;" \
+      "$(grep -c PASSED "$OUT/memcheck.txt") cases passed under it, $(grep -c FAILED "$OUT/memcheck.txt") failed"
+    grep -m 10 -B2 -A8 "Invalid\|ERROR SUMMARY" "$OUT/memcheck.txt" | head -60
   else
     log "compute-sanitizer not found"
   fi
@@ -88,10 +146,4 @@ if want sass; then
   cat "$OUT"/sass_*.txt | gzip >"$OUT/sass.txt.gz" && rm -f "$OUT"/sass_*.txt
 fi
 
-if want bench; then
-  log "benchmarks: benchmarks/bench_gpu.py"
-  $PY benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -60
-  mkdir -p benchmarks/results
-  cp "$OUT"/bench_gpu*.json "$OUT"/bench_gpu*.md benchmarks/results/ 2>/dev/null || true
-fi
 log "done: $OUT"
