@@ -51,6 +51,14 @@ device_arch() {
   esac
 }
 
+# Test dependencies the machine lacks or holds at an untested version (e.g. transformers: the
+# suite tests pagedkv.hf with the lines in pagedkv/hf/compat.py TESTED_VERSIONS) travel as wheels in
+# .whl/ (carried, not tracked; the device tool's README says how to fetch them for Python 3.12).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
 log "device: $(nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1)"
 nvidia-smi >>"$OUT/gpu_run.log" 2>&1
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \

@@ -22,6 +22,7 @@
 #include <math.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "flash_attn.cuh"
 
@@ -72,6 +73,7 @@ struct AttnParams {
   int e4m3;
   int q_aligned, out_aligned, kv_aligned;
   int box_rows;
+  int key_split;       // tiles of <= 16 packed rows spread each K/V tile's keys over the 4 warps
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -164,6 +166,11 @@ __device__ void zero_padding_rows(const AttnParams &p, int64_t kv_head, int dv) 
   }
 }
 
+template <int N>
+struct IntTag {
+  static constexpr int value = N;
+};
+
 template <int D, typename T, bool kFp8, int kLoader>
 __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
                                           uint8_t *smem) {
@@ -233,18 +240,27 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     }
   }
 
-  // ---- per-thread query rows: r0 = warp*16 + lane/4 and r1 = r0 + 8 ----
+  // ---- key split: a tile of <= 16 packed rows (decode: one query row's heads of this KV head)
+  // gives warp 1-3 no rows of their own, so instead every warp takes those 16 rows over its own
+  // quarter of each K/V tile's keys, with its own softmax state, and the warps' states are folded
+  // together once at the end. Block-uniform. Needs >= 16 keys per warp (one PV k-step).
+  constexpr int kWarps = kAttnThreads / kWarp;
+  constexpr bool kKeySplitFits = BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
+  const bool key_split = kKeySplitFits && p.key_split && tile_rows <= 16;
+  const int qrow0 = key_split ? 0 : warp * 16;  // first packed row of this warp's 16
+
+  // ---- per-thread query rows: r0 = qrow0 + lane/4 and r1 = r0 + 8 ----
   int64_t lo_r[2], hi_r[2];
   bool valid_r[2];
 #pragma unroll
   for (int i = 0; i < 2; i++) {
-    const int r = warp * 16 + (lane >> 2) + 8 * i;
+    const int r = qrow0 + (lane >> 2) + 8 * i;
     valid_r[i] = r < tile_rows;
     const int64_t pos = cached + (tile_first + (valid_r[i] ? r : 0)) / p.group;
     pkv_visible_keys(pos, total, p.causal, p.window_left, &lo_r[i], &hi_r[i]);
     if (!valid_r[i]) hi_r[i] = lo_r[i];  // sees nothing
   }
-  const bool warp_active = warp * 16 < tile_rows;
+  const bool warp_active = key_split || warp * 16 < tile_rows;
 
   float o[D / 8][4];
 #pragma unroll
@@ -329,28 +345,32 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     }
     __syncthreads();  // (B): the tile (and Q) is complete for every warp
 
-    if (warp_active) {
-      const int64_t k0 = (my_begin + it) * BN;
-      float s[BN / 8][4];
+    // S = Q K^T, softmax update and O += P V over NT 8-key column blocks of the tile from
+    // column kcol0: the whole tile (BN / 8 blocks), or in a key split this warp's quarter
+    auto tile_math = [&](auto nt_tag, int kcol0) {
+      constexpr int NT = decltype(nt_tag)::value;
+      const int64_t k0 = (my_begin + it) * BN + kcol0;
+      float s[NT][4];
 #pragma unroll
-      for (int i = 0; i < BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+      for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
       // S = Q K^T
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++) {
         uint32_t a[4];
         const int m = lane >> 3;
-        ldmatrix_x4(a, sq + tile_elem_offset<2>(warp * 16 + (m & 1) * 8 + (lane & 7), kk * 16 + (m >> 1) * 8, BM));
+        ldmatrix_x4(a, sq + tile_elem_offset<2>(qrow0 + (m & 1) * 8 + (lane & 7), kk * 16 + (m >> 1) * 8, BM));
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt += 2) {
+        for (int nt = 0; nt < NT; nt += 2) {
           uint32_t bf[4];
-          ldmatrix_x4(bf, ks + tile_elem_offset<2>(nt * 8 + (m >> 1) * 8 + (lane & 7), kk * 16 + (m & 1) * 8, BN));
+          ldmatrix_x4(bf, ks + tile_elem_offset<2>(kcol0 + nt * 8 + (m >> 1) * 8 + (lane & 7), kk * 16 + (m & 1) * 8,
+                                                   BN));
           mma_16816<T>(s[nt], a, bf[0], bf[1]);
           mma_16816<T>(s[nt + 1], a, bf[2], bf[3]);
         }
       }
       // scale, softcap, mask (log2 domain)
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++)
+      for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           float x = s[nt][e] * p.score_scale;
@@ -359,15 +379,15 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         }
 #pragma unroll
       for (int i = 0; i < 2; i++) {
-        const bool full = k0 >= lo_r[i] && k0 + BN <= hi_r[i] && masked_here == 0;
+        const bool full = k0 >= lo_r[i] && k0 + NT * 8 <= hi_r[i] && masked_here == 0;
         if (full) continue;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
           for (int e = 0; e < 2; e++) {
             const int col = nt * 8 + 2 * (lane & 3) + e;
             const int64_t key = k0 + col;
-            const bool visible = key >= lo_r[i] && key < hi_r[i] && rows[col].page >= 0;
+            const bool visible = key >= lo_r[i] && key < hi_r[i] && rows[kcol0 + col].page >= 0;
             if (!visible) s[nt][2 * i + e] = -INFINITY;
           }
       }
@@ -376,7 +396,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       for (int i = 0; i < 2; i++) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[i], mx);
@@ -385,7 +405,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         row_max[i] = m_new;
         float sum = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
           s[nt][2 * i] = exp2f(s[nt][2 * i] - m_use);
           s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - m_use);
           sum += s[nt][2 * i] + s[nt][2 * i + 1];
@@ -399,7 +419,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       }
       // O += P V (P reused from the S accumulators as the A operand)
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; kk++) {
+      for (int kk = 0; kk < NT / 2; kk++) {
         uint32_t a[4];
         a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
         a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
@@ -409,11 +429,68 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
           uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vs + tile_elem_offset<2>(kk * 16 + (m & 1) * 8 + (lane & 7), dt * 8 + (m >> 1) * 8, BN));
+          ldmatrix_x4_trans(bf, vs + tile_elem_offset<2>(kcol0 + kk * 16 + (m & 1) * 8 + (lane & 7),
+                                                         dt * 8 + (m >> 1) * 8, BN));
           mma_16816<T>(o[dt], a, bf[0], bf[1]);
           mma_16816<T>(o[dt + 1], a, bf[2], bf[3]);
         }
       }
+    };
+    if constexpr (kKeySplitFits) {
+      if (key_split) {
+        tile_math(IntTag<BN / kWarps / 8>{}, warp * (BN / kWarps));
+        continue;
+      }
+    }
+    if (warp_active) tile_math(IntTag<BN / 8>{}, 0);
+  }
+
+  // ---- key split: fold warps 1-3's softmax states (same rows, other keys) into warp 0's ----
+  if constexpr (kKeySplitFits) {
+    if (key_split) {
+    constexpr int kSlots = D / 8 * 4 + 4;  // o fragments, then row_max[2], row_sum[2]
+    float *fold = reinterpret_cast<float *>(sraw);  // the K/V stages: every load has landed
+    static_assert((kWarps - 1) * kSlots * kWarp * 4 <= 4 * L::kRawTileBytes, "fold fits the K/V stages");
+    __syncthreads();  // every warp is done reading its last tile
+    if (warp > 0) {
+      float *mine = fold + (warp - 1) * kSlots * kWarp + lane;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) mine[(dt * 4 + e) * kWarp] = o[dt][e];
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        mine[(D / 2 + i) * kWarp] = row_max[i];
+        mine[(D / 2 + 2 + i) * kWarp] = row_sum[i];
+      }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      float m = row_max[i];
+      for (int w = 1; w < kWarps; w++) m = fmaxf(m, fold[((w - 1) * kSlots + D / 2 + i) * kWarp + lane]);
+      // a state that saw no key (max -inf) holds zeros and adds nothing; a NaN sum stays NaN
+      const float f0 = row_max[i] == -INFINITY ? 0.0f : exp2f(row_max[i] - m);
+      row_sum[i] *= f0;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt++) {
+        o[dt][2 * i] *= f0;
+        o[dt][2 * i + 1] *= f0;
+      }
+      for (int w = 1; w < kWarps; w++) {
+        const float *theirs = fold + (w - 1) * kSlots * kWarp + lane;
+        const float mw = theirs[(D / 2 + i) * kWarp];
+        const float f = mw == -INFINITY ? 0.0f : exp2f(mw - m);
+        row_sum[i] += f * theirs[(D / 2 + 2 + i) * kWarp];
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+          o[dt][2 * i] += f * theirs[(dt * 4 + 2 * i) * kWarp];
+          o[dt][2 * i + 1] += f * theirs[(dt * 4 + 2 * i + 1) * kWarp];
+        }
+      }
+      row_max[i] = m;
+    }
     }
   }
 
@@ -618,6 +695,10 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);  // 16-bit pairs stored as one word
   p.kv_aligned = pkv_cache_aligned(&p.k, kv_es, 16) && pkv_cache_aligned(&p.v, kv_es, 16);
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
+  // PAGEDKV_CUDA_KEY_SPLIT=0 turns the decode key split off (A/B timing, and an escape hatch);
+  // read per call (a getenv, no lock), so a test or a benchmark can switch it
+  const char *key_split = std::getenv("PAGEDKV_CUDA_KEY_SPLIT");
+  p.key_split = !(key_split && key_split[0] == '0');
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

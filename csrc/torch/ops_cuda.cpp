@@ -49,6 +49,15 @@ pkv_tensor host_index(const at::Tensor &t, std::vector<at::Tensor> &keep) {
 
 void raise_cuda(cudaError_t e) { C10_CUDA_CHECK(e); }
 
+// The device an op runs on: its first CUDA tensor (the dispatcher sent the call here because one
+// is). Guarding on a fixed argument would make a CPU tensor there fail inside the guard with a
+// message naming no argument; this way the core's same-device check names it.
+c10::Device cuda_device(std::initializer_list<const at::Tensor *> tensors) {
+  for (const at::Tensor *t : tensors)
+    if (t->is_cuda()) return t->device();
+  TORCH_CHECK(false, "pagedkv: none of the op's tensors is on a CUDA device");
+}
+
 // The core's check of an op's arguments: descriptors always; index values (which live on the
 // device) only when host checks are enabled, on host copies of `index_tensors` (pairs of the
 // args field and the tensor it describes).
@@ -73,7 +82,7 @@ void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &va
                       const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
                       const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
                       int64_t quant_group) {
-  c10::cuda::CUDAGuard guard(k_cache.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&k_cache, &key, &input_row_offsets, &cache_lengths, &lookup_table}));
   pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
                                 k_scales, v_scales, quant_group);
   check_args<pkv_store_args>(a, pkv_store_check,
@@ -88,7 +97,7 @@ void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &va
 void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &scales,
                      const at::Tensor &lookup_table, const at::Tensor &seq_lens,
                      const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group) {
-  c10::cuda::CUDAGuard guard(cache.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&cache, &out, &lookup_table, &seq_lens, &output_row_offsets}));
   pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
   check_args<pkv_load_args>(a, pkv_load_check,
                             {{&pkv_load_args::lookup_table, &lookup_table},
@@ -126,7 +135,7 @@ at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_ro
                                  const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
                                  int64_t quant_group, int64_t window_left, double softcap,
                                  const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(q.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   at::Tensor out = attn_output(q, v_cache);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
@@ -140,7 +149,8 @@ void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_
                                const std::optional<at::Tensor> &k_scales,
                                const std::optional<at::Tensor> &v_scales, int64_t quant_group, int64_t window_left,
                                double softcap, const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
-  c10::cuda::CUDAGuard guard(q.device());
+  c10::cuda::CUDAGuard guard(
+      cuda_device({&q, &out, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
             q, input_row_offsets, cache_lengths, lookup_table);
@@ -151,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
     const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales, int64_t quant_group,
     int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(q.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out, lse),
@@ -161,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
 
 std::tuple<at::Tensor, at::Tensor> merge_attn_states_cuda(const at::Tensor &out_a, const at::Tensor &lse_a,
                                                            const at::Tensor &out_b, const at::Tensor &lse_b) {
-  c10::cuda::CUDAGuard guard(out_a.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&out_a, &out_b, &lse_a, &lse_b}));
   auto [out, lse] = merge_outputs(out_a);
   pkv_merge_args a = merge_args(out_a, lse_a, out_b, lse_b, out, lse);
   pkv_error err{};
@@ -175,7 +185,7 @@ at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k
                                         const std::optional<at::Tensor> &k_scales,
                                         const std::optional<at::Tensor> &v_scales, int64_t quant_group,
                                         double softcap, const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(q.device());
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &indices}));
   at::Tensor out = attn_output(q, v_cache);
   pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
                                   sinks, out);

@@ -21,9 +21,11 @@ from pagedkv import reference
 HEAD_DIM, Q_HEADS, KV_HEADS, PAGE, PAGES = 64, 4, 2, 4, 8
 CACHED, NEW = (3, 0), (2, 4)
 TABLE = ((5, 2, 7), (1, 6, 0))
-# float32 attention against the float64 reference: a few float32 roundings per key
-# (the same bound as the op tests' float32 rows)
-ATTENTION_RTOL = 1e-5
+# The self-test's dtype per device: float32 on the CPU; bf16 on CUDA, whose kernels attend with 16-bit
+# queries and caches. Attention against the float64 reference within the op tests' bound for that
+# dtype: a few float32 roundings per key, or bf16 inputs and probabilities.
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+ATTENTION_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _step(device):
@@ -32,13 +34,16 @@ def _step(device):
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
+    def rand_dtype(*shape):
+        return rand(*shape).to(DTYPES[device])
+
     offsets = torch.tensor([0, NEW[0], NEW[0] + NEW[1]], dtype=torch.int32, device=device)
     lengths = torch.tensor(CACHED, dtype=torch.int32, device=device)
     table = torch.tensor(TABLE, dtype=torch.int32, device=device)
-    k_cache, v_cache = rand(PAGES, PAGE, KV_HEADS, HEAD_DIM), rand(PAGES, PAGE, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = rand_dtype(PAGES, PAGE, KV_HEADS, HEAD_DIM), rand_dtype(PAGES, PAGE, KV_HEADS, HEAD_DIM)
     tokens = sum(NEW)
     return dict(
-        key=rand(tokens, KV_HEADS, HEAD_DIM), value=rand(tokens, KV_HEADS, HEAD_DIM), q=rand(tokens, Q_HEADS, HEAD_DIM),
+        key=rand(tokens, KV_HEADS, HEAD_DIM), value=rand(tokens, KV_HEADS, HEAD_DIM), q=rand_dtype(tokens, Q_HEADS, HEAD_DIM),
         k_cache=k_cache, v_cache=v_cache, offsets=offsets, lengths=lengths, table=table,
     )  # fmt: skip
 
@@ -72,9 +77,10 @@ def self_test(device: str) -> list[tuple[str, bool, str]]:
 
     def attend():
         got = pagedkv.flash_attn_paged(s["q"], s["offsets"], ref_k, ref_v, s["lengths"], s["table"])
-        want = reference.flash_attn_paged(s["q"], s["offsets"], ref_k, ref_v, s["lengths"], s["table"])
-        error = ((got.double() - want).norm() / want.norm()).item()
-        return error <= ATTENTION_RTOL, f"relative error {error:.1e} vs the float64 reference (bound {ATTENTION_RTOL})"
+        want = reference.flash_attn_paged(s["q"].double(), s["offsets"], ref_k, ref_v, s["lengths"], s["table"])
+        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        bound = ATTENTION_RTOL[s["q"].dtype]
+        return error <= bound, f"relative error {error:.1e} vs the float64 reference (bound {bound})"
 
     run("paged_store", store)
     run("paged_load", load)

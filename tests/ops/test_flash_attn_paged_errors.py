@@ -63,13 +63,14 @@ ATTN_ERRORS = index_errors("input_row_offsets", "cache_lengths", "k_cache") + [
     ("scale inf", set_("scale", lambda t, a: float("inf")), ["scale"], []),
 ]
 
+# each `out` is made on the call's device: a strided view moved with .to() would arrive contiguous
 ATTN_OUT_ERRORS = [
-    ("out dtype", lambda args: torch.zeros((7, 4, D), dtype=torch.float16), ["out"]),
-    ("out tokens", lambda args: torch.zeros((6, 4, D)), ["out"]),
-    ("out heads", lambda args: torch.zeros((7, 2, D)), ["out"]),
-    ("out head size", lambda args: torch.zeros((7, 4, 16)), ["out"]),
-    ("out stride(-1) != 1", lambda args: strided_last(torch.zeros((7, 4, D))), ["out"]),
-    ("out 2-D", lambda args: torch.zeros((7, 4 * D)), ["out"]),
+    ("out dtype", lambda dev: torch.zeros((7, 4, D), dtype=torch.float16, device=dev), ["out"]),
+    ("out tokens", lambda dev: torch.zeros((6, 4, D), device=dev), ["out"]),
+    ("out heads", lambda dev: torch.zeros((7, 2, D), device=dev), ["out"]),
+    ("out head size", lambda dev: torch.zeros((7, 4, 16), device=dev), ["out"]),
+    ("out stride(-1) != 1", lambda dev: strided_last(torch.zeros((7, 4, D), device=dev)), ["out"]),
+    ("out 2-D", lambda dev: torch.zeros((7, 4 * D), device=dev), ["out"]),
 ]
 
 
@@ -94,7 +95,7 @@ def test_flash_attn_paged_extra_scales(device):
 def test_flash_attn_paged_out_errors(device, case):
     _, make_out, names = case
     kv, args = attn_call(device)
-    args["out"] = make_out(args).to(device)
+    args["out"] = make_out(device)
     expect_error(device, torch.ops.pagedkv.flash_attn_paged.out, kv, args, names)
 
 

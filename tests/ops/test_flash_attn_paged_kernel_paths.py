@@ -188,14 +188,18 @@ def test_flash_attn_paged_cuda_unsupported_raises():
 def test_flash_attn_paged_cuda_graph_decode_replay_with_new_lengths():
     d, hq, hk, b, p = 128, 8, 2, 4, 16
     gen = generator(seed_from("cuda-graph"))
-    kv, batch = make_setup(gen, [(100, 1), (5, 1), (60, 1), (250, 1)], layout="separate", page_size=p,
+    replays = ([100, 5, 60, 250], [1, 31, 0, 17], [255, 200, 128, 2])
+    # history written up to each row's longest replay: a replay must not see unwritten (NaN-poisoned)
+    # slots, whose NaN outputs would never compare equal
+    longest = [max(lengths[i] for lengths in replays) for i in range(b)]
+    kv, batch = make_setup(gen, [(n, 1) for n in longest], layout="separate", page_size=p,
                            num_kv_heads=hk, head_dim=d, dtype=torch.bfloat16, device="cuda")
     fill_history(gen, kv, batch)
     ops = torch.ops.pagedkv
     k, v, offsets, table = kv.k_cache, kv.v_cache, batch.input_row_offsets, batch.lookup_table
     q = torch.randn((b, hq, d), device="cuda").to(torch.bfloat16)
     out = torch.empty_like(q)
-    lengths = batch.cache_lengths.clone()
+    lengths = torch.tensor(replays[0], dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -205,12 +209,13 @@ def test_flash_attn_paged_cuda_graph_decode_replay_with_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.flash_attn_paged.out(q, offsets, k, v, lengths, table, out=out)
-    for new_lengths in ([100, 5, 60, 250], [1, 31, 0, 17], [255, 200, 128, 2]):
+    for new_lengths in replays:
         lengths.copy_(torch.tensor(new_lengths, dtype=torch.int32))
         q.copy_(torch.randn((b, hq, d)).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         eager = ops.flash_attn_paged(q, offsets, k, v, lengths, table)
+        assert torch.isfinite(out).all()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
