@@ -203,12 +203,14 @@ def _expected_stored(x, dtype, quant_group):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
 def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
-    cache = _build(kind, dtype, device=device)
+    # the CUDA kernels attend with 16-bit queries and head sizes 64-256
+    d, q_dtype = (D, torch.float32) if device == "cpu" else (64, torch.bfloat16)
+    cache = _build(kind, dtype, head_dim=d, device=device)
     rows = [(0, 6), (0, 3), (0, 0)]
     step = _step(rng, cache, kind, rows, device)
     layer = 1
-    key = randn(rng, (9, HK, D), torch.float32, device)
-    value = randn(rng, (9, HK, D), torch.float32, device)
+    key = randn(rng, (9, HK, d), torch.float32, device)
+    value = randn(rng, (9, HK, d), torch.float32, device)
     before = {n: t.clone() for n, t in _storage(cache).items()}
     cache.store(layer, key, value, step.input_row_offsets, step.cache_lengths, step.lookup_table)
     _assert_only_layer_changed(cache, kind, layer, before)
@@ -217,7 +219,7 @@ def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
     k_loaded = cache.load(layer, step.lookup_table, seq_lens)
     v_loaded = cache.load(layer, step.lookup_table, seq_lens, which="v", out_dtype=torch.float32)
     assert k_loaded.dtype == (torch.float32 if dtype in FP8_DTYPES else dtype)
-    assert k_loaded.shape == (9, HK, D)
+    assert k_loaded.shape == (9, HK, d)
     assert torch.equal(k_loaded.float().cpu(), _expected_stored(key, dtype, 8).float().cpu())
     assert torch.equal(v_loaded.cpu(), _expected_stored(value, dtype, 8).float().cpu())
 
@@ -226,11 +228,10 @@ def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
     lengths2 = torch.tensor([6, 3, 0], dtype=torch.int32, device=device)
     step2 = KVCacheBatch(offsets2, lengths2, step.lookup_table)
     assert step2.max_context_length() == 7 and not step2.empty_cache()
-    k2 = randn(rng, (2, HK, D), torch.float32, device)
+    k2 = randn(rng, (2, HK, d), torch.float32, device)
     cache.store(layer, k2, k2, offsets2, lengths2, step.lookup_table)
-    # one padding row; the CUDA kernels attend with 16-bit queries
-    q_dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    q = randn(rng, (3, 2 * HK, D), q_dtype, device)
+    # one padding row
+    q = randn(rng, (3, 2 * HK, d), q_dtype, device)
     out = cache.attention(layer, q, offsets2, lengths2, step.lookup_table, softcap=2.0)
     table = cache._table(layer, step.lookup_table)
     expected = ref.flash_attn_paged(
@@ -238,7 +239,7 @@ def test_store_load_attention_round_trip(rng, backend, device, kind, dtype):
         k_scales=cache.k_scales(layer), v_scales=cache.v_scales(layer), quant_group=8,
         softcap=2.0,
     )
-    assert out.shape == (3, 2 * HK, D) and out.dtype == q_dtype
+    assert out.shape == (3, 2 * HK, d) and out.dtype == q_dtype
     assert_attention_close(out, expected, q_dtype, f"{kind} attention")
     assert (out[2] == 0).all()
 

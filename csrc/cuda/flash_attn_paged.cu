@@ -48,7 +48,9 @@ struct AttnLayout {
   static constexpr int kConvOffset = kRawOffset + 4 * kRawTileBytes;
   static constexpr int kRowsOffset = kConvOffset + 2 * kConvTileBytes;
   static constexpr int kBarOffset = kRowsOffset + 3 * kRowsN * static_cast<int>(sizeof(TileRows));
-  static constexpr int kBytes = kBarOffset + 16;
+  // FP8 with one scale per row: [2 stages][K, V][kRowsN] scales staged a tile ahead
+  static constexpr int kScaleOffset = kBarOffset + 16;
+  static constexpr int kBytes = kScaleOffset + (kFp8 ? 4 * kRowsN * static_cast<int>(sizeof(float)) : 0);
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 bytes
   static_assert(kRowsN % 16 == 0 && D % 16 == 0 && kRawChunks >= 1, "tile shapes");
 };
@@ -74,6 +76,7 @@ struct AttnParams {
   int q_aligned, out_aligned, kv_aligned;
   int box_rows;
   int key_split;       // tiles of <= 16 packed rows spread each K/V tile's keys over the 4 warps
+  int fp8_scale_ahead; // FP8, one scale per row: load a tile's scales one tile ahead
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -215,6 +218,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   uint8_t *sconv = smem + L::kConvOffset;
   TileRows *srows = reinterpret_cast<TileRows *>(smem + L::kRowsOffset);  // [3][BN]
   uint64_t *sbar = reinterpret_cast<uint64_t *>(smem + L::kBarOffset);
+  float *sscale = reinterpret_cast<float *>(smem + L::kScaleOffset);  // [2][K, V][BN] (FP8)
 
   // ---- Q tile -> shared memory (16-bit image, zeros for rows past the tile) ----
   {
@@ -295,6 +299,24 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     }
   };
 
+  // FP8 with one scale per row: thread t < BN loads row t's K and V scales of tile `it` into
+  // registers right after publishing the tile's rows, and stores them to shared memory at the top
+  // of the next iteration, so the global loads' latency hides behind a tile of compute instead of
+  // stalling the conversion
+  const bool scale_ahead = kFp8 && p.fp8_scale_ahead && p.quant_group >= D;
+  float k_scale_next = 0.0f, v_scale_next = 0.0f;
+  auto load_scales = [&](int it) {
+    if (!scale_ahead || tid >= BN) return;
+    const TileRows tr = srows[(it % 3) * BN + tid];  // this thread's own entry (fill_rows)
+    k_scale_next = v_scale_next = 0.0f;
+    if (tr.page >= 0) {
+      k_scale_next = __ldg(static_cast<const float *>(p.k_scales.data) +
+                           pkv_cache_offset(&p.k_scales, tr.page, tr.slot, kv_head));
+      v_scale_next = __ldg(static_cast<const float *>(p.v_scales.data) +
+                           pkv_cache_offset(&p.v_scales, tr.page, tr.slot, kv_head));
+    }
+  };
+
   if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
     if (tid == 0) {
       prefetch_tensor_map(kmap);
@@ -309,14 +331,22 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   if (n_tiles > 0) {
     masked_next = __syncthreads_count(fill_rows(0));
     issue(0);
+    load_scales(0);
   }
   for (int it = 0; it < n_tiles; it++) {
     const int masked_here = masked_next;
     const bool has_next = it + 1 < n_tiles;
+    if (scale_ahead && tid < BN) {  // tile it's scales, loaded an iteration ago; (A) publishes them
+      sscale[(it & 1) * 2 * BN + tid] = k_scale_next;
+      sscale[(it & 1) * 2 * BN + BN + tid] = v_scale_next;
+    }
     // (A): the next tile's rows are published and every thread is done with
     // the stage, tile rows and converted tiles that the next loads overwrite.
     masked_next = __syncthreads_count(has_next ? fill_rows(it + 1) : 0);
-    if (has_next) issue(it + 1);
+    if (has_next) {
+      issue(it + 1);
+      load_scales(it + 1);
+    }
 
     const TileRows *rows = srows + (it % 3) * BN;
     uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
@@ -331,9 +361,12 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     const uint8_t *ks = kt, *vs = vt;
     if constexpr (kFp8) {
       if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
-      convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3);
+      const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
+      const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
+      convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3,
+                                            k_row_scales);
       convert_fp8_tile<T, BN, kAttnThreads>(sconv + L::kConvTileBytes, vt, rows, p.v_scales, kv_head, D,
-                                            p.quant_group, p.e4m3);
+                                            p.quant_group, p.e4m3, v_row_scales);
       ks = sconv;
       vs = sconv + L::kConvTileBytes;
     } else if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
@@ -699,6 +732,8 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // read per call (a getenv, no lock), so a test or a benchmark can switch it
   const char *key_split = std::getenv("PAGEDKV_CUDA_KEY_SPLIT");
   p.key_split = !(key_split && key_split[0] == '0');
+  const char *scale_ahead = std::getenv("PAGEDKV_CUDA_FP8_SCALE_AHEAD");  // =0: off (A/B timing)
+  p.fp8_scale_ahead = !(scale_ahead && scale_ahead[0] == '0');
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

@@ -206,11 +206,13 @@ __device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *
 
 // ---- FP8 -> 16-bit tile, dequantized with the (token, head, group) scales ----
 // src: FP8 image (1-byte elements); dst: 16-bit image of the same rows.
-// Masked rows become zeros. group >= head_dim reads one scale per row.
+// Masked rows become zeros. group >= head_dim reads one scale per row: from row_scales[r] when the
+// caller staged them in shared memory ahead of time (a global load here sits on the tile's critical
+// path), else from the scales view.
 template <typename T, int kRows, int kThreads>
 __device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *src, const TileRows *rows,
                                                  const pkv_cache_view &scales, int64_t head, int head_dim,
-                                                 int64_t group, bool e4m3) {
+                                                 int64_t group, bool e4m3, const float *row_scales = nullptr) {
   const int units_per_row = head_dim / 16;  // 16 FP8 elements per unit
   const float *sbase = static_cast<const float *>(scales.data);
   for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
@@ -221,7 +223,7 @@ __device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *sr
       const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kRows));
       const float *srow = sbase + pkv_cache_offset(&scales, tr.page, tr.slot, head);
       const int col0 = j * 16;
-      float one_scale = group >= head_dim ? __ldg(srow) : 0.0f;
+      float one_scale = group < head_dim ? 0.0f : row_scales ? row_scales[r] : __ldg(srow);
       const uint16_t *pairs = reinterpret_cast<const uint16_t *>(&raw);
       uint32_t packed[8];
 #pragma unroll
