@@ -376,6 +376,10 @@ def grid(quick):
 
 
 def git_commit():
+    # gpu_run.sh sets this from the prebuilt extension's record: a device machine's copy of the tree
+    # may carry a stale .git
+    if os.environ.get("PAGEDKV_BENCH_COMMIT"):
+        return os.environ["PAGEDKV_BENCH_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:  # noqa: BLE001

@@ -80,6 +80,7 @@ use_prebuilt() {
   cp "$so" .gpu_prebuilt/_build_config.py python/pagedkv/
   cuda_import_ok || { log "prebuilt extension did not import with CUDA"; return 1; }
   log "build: prebuilt $(basename "$so") ($(cat .gpu_prebuilt/commit 2>/dev/null))"
+  PAGEDKV_BENCH_COMMIT="$(cat .gpu_prebuilt/commit 2>/dev/null)" && export PAGEDKV_BENCH_COMMIT
 }
 
 if want build && ! use_prebuilt; then
