@@ -149,7 +149,8 @@ def bench_decode(timer, cfg, ceil):
         ops.flash_attn_paged.out(q, offs, pool["k"], pool["v"], cached, pool["table"], None, True, pool["ks"],
                                  pool["vs"], 128, -1, 0.0, out=out)
 
-    res = {"op": "decode", **{k: (str(v) if k == "dtype" else v) for k, v in cfg.items() if k not in ("lens", "no_flex")}}
+    res = {"op": "decode",
+           **{k: (str(v) if k == "dtype" else v) for k, v in cfg.items() if k not in ("lens", "no_flex")}}
     res["lens"] = "skewed" if cfg.get("lens") else "constant"
     t = timer(run)
     tg = timer.graph(run)
@@ -157,6 +158,13 @@ def bench_decode(timer, cfg, ceil):
     kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk if es == 1 else 0)
     io = kv_bytes + 2 * q.numel() * 2
     res.update(pagedkv_s=t, pagedkv_graph_s=tg, bytes=io, bw_frac_of_copy=io / tg / ceil["copy_bytes_per_s"])
+    if es == 1 and "PAGEDKV_CUDA_FP8_FAST_CONVERT" not in os.environ:
+        # the opt-in FP8 tile conversion (read per launch, so the graph captured here uses it)
+        os.environ["PAGEDKV_CUDA_FP8_FAST_CONVERT"] = "1"
+        try:
+            res["fast_convert_graph_s"] = timer.graph(run)
+        finally:
+            del os.environ["PAGEDKV_CUDA_FP8_FAST_CONVERT"]
     # peers on bf16 values (same token values)
     if not cfg.get("lens"):
         kc, vc = contiguous_kv(pool, b, hk, d)
@@ -447,7 +455,9 @@ def main():
         print(f"{r['id']:7s} decode {r['dtype']:20s} B={r['B']:4d} L={r['L']:6d} P={r['P']:3d} {r['lens']:8s} "
               f"{fmt(r['pagedkv_s'])} graph {fmt(r['pagedkv_graph_s'])} = {100 * r['bw_frac_of_copy']:.0f}% of copy | "
               f"sdpa {fmt(r.get('sdpa_contiguous_s'))} gather+sdpa {fmt(r.get('gather_sdpa_s'))} "
-              f"flex {fmt(r.get('flex_paged_s'))}", flush=True)
+              f"flex {fmt(r.get('flex_paged_s'))}"
+              + (f" | fast FP8 convert {fmt(r['fast_convert_graph_s'])}" if r.get("fast_convert_graph_s") else ""),
+              flush=True)
     for cfg in pre:
         r = bench_prefill(timer, cfg, ceil)
         rows.append(r)

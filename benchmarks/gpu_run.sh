@@ -5,11 +5,11 @@
 # benchmarks/results/gpu-<date>; at most 8 files, the device tool's limit) and the benchmark
 # tables are copied to benchmarks/results/.
 #
-#   bash benchmarks/gpu_run.sh [all|build|test|memcheck|sass|bench]...   (default: all)
+#   bash benchmarks/gpu_run.sh [all|build|test|memcheck|sass|bench|profile]...   (default: all)
 #
-# `all` is build, test, bench, memcheck (in that order, the most telling first); sass only when named
-# (it compiles every target, minutes of device time; .ci/cuda_build_check.sh does the same check
-# on any machine with nvcc). Each stage has a time limit (seconds; env GPU_T_TEST, GPU_T_BENCH,
+# `all` is build, test, bench, memcheck (in that order, the most telling first); sass (it compiles
+# every target, minutes of device time; .ci/cuda_build_check.sh does the same check on any machine
+# with nvcc) and profile (Nsight Compute on the attention kernels) only when named. Each stage has a time limit (seconds; env GPU_T_TEST, GPU_T_BENCH,
 # GPU_T_MEMCHECK), so one call fits the device tool's 10 minutes and what a stage measured before its
 # limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its table per row.
 # Uses the machine's python3 (a CUDA torch); builds in place into python/pagedkv/.
@@ -33,7 +33,7 @@ STAGES=("$@")
 want() {
   for s in "${STAGES[@]}"; do
     [ "$s" = "$1" ] && return 0
-    [ "$s" = all ] && [ "$1" != sass ] && return 0
+    [ "$s" = all ] && [ "$1" != sass ] && [ "$1" != profile ] && return 0
   done
   return 1
 }
@@ -139,6 +139,24 @@ if want memcheck; then
   else
     log "compute-sanitizer not found"
   fi
+fi
+
+if want profile; then
+  # Nsight Compute on the attention kernel of benchmarks/gpu_profile.py (decode bf16, decode e4m3,
+  # prefill): speed of light, occupancy, warp stall reasons, scheduler and memory sections, and the
+  # per-instruction source counters (the build carries -lineinfo). --clock-control none: the card's
+  # clocks are left as they are.
+  log "ncu on gpu_profile.py's attention kernels (limit ${GPU_T_PROFILE:-150}s)"
+  timeout "${GPU_T_PROFILE:-150}" ncu --clock-control none -k regex:attn_kernel -c 3 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    -f -o "$OUT/profile" $PY benchmarks/gpu_profile.py >"$OUT/ncu_run.txt" 2>&1
+  log "ncu exit code $?"
+  tail -3 "$OUT/ncu_run.txt"
+  ncu -i "$OUT/profile.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
+  ncu -i "$OUT/profile.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/ncu_source_sass.csv.gz"
+  grep -E "attn_kernel|Duration|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Stall|Memory Throughput|Compute \(SM\)" \
+    "$OUT/ncu_details.txt" | head -60
 fi
 
 if want sass; then

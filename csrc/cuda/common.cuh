@@ -200,6 +200,22 @@ __device__ __forceinline__ float2 e5m2x2_to_float2(uint16_t two) {
   return __half22float2(hv);
 }
 
+// The same two conversions by the hardware where it has them (sm_89+: one cvt to f16x2, in which every
+// e4m3/e5m2 value, NaN included, is exact; byte 0 -> the low half -> .x), else the bit-level ones.
+template <bool kE4m3>
+__device__ __forceinline__ float2 fp8x2_to_float2(uint16_t two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h;
+  if constexpr (kE4m3)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
+  else
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(two));
+  return __half22float2(*reinterpret_cast<const __half2 *>(&h));
+#else
+  return kE4m3 ? e4m3x2_to_float2(two) : e5m2x2_to_float2(two);
+#endif
+}
+
 // ---- 8 elements as floats <-> memory, vectorised (8- or 16-byte aligned at element i) ----
 // load8: f32/f16/bf16 or FP8 codes (unscaled) starting at element i.
 template <pkv_dtype kSrc>

@@ -77,6 +77,7 @@ struct AttnParams {
   int box_rows;
   int key_split;       // tiles of <= 16 packed rows spread each K/V tile's keys over the 4 warps
   int fp8_scale_ahead; // FP8, one scale per row: load a tile's scales one tile ahead
+  int fp8_fast_convert; // with scale_ahead: the statically shaped, hardware-cvt tile conversion
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -363,10 +364,21 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
       const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
       const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
-      convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3,
-                                            k_row_scales);
-      convert_fp8_tile<T, BN, kAttnThreads>(sconv + L::kConvTileBytes, vt, rows, p.v_scales, kv_head, D,
-                                            p.quant_group, p.e4m3, v_row_scales);
+      if (scale_ahead && p.fp8_fast_convert) {
+        uint8_t *vconv = sconv + L::kConvTileBytes;
+        if (p.e4m3) {
+          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, true>(sconv, kt, rows, k_row_scales);
+          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, true>(vconv, vt, rows, v_row_scales);
+        } else {
+          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, false>(sconv, kt, rows, k_row_scales);
+          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, false>(vconv, vt, rows, v_row_scales);
+        }
+      } else {
+        convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3,
+                                              k_row_scales);
+        convert_fp8_tile<T, BN, kAttnThreads>(sconv + L::kConvTileBytes, vt, rows, p.v_scales, kv_head, D,
+                                              p.quant_group, p.e4m3, v_row_scales);
+      }
       ks = sconv;
       vs = sconv + L::kConvTileBytes;
     } else if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
@@ -734,6 +746,10 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.key_split = !(key_split && key_split[0] == '0');
   const char *scale_ahead = std::getenv("PAGEDKV_CUDA_FP8_SCALE_AHEAD");  // =0: off (A/B timing)
   p.fp8_scale_ahead = !(scale_ahead && scale_ahead[0] == '0');
+  // PAGEDKV_CUDA_FP8_FAST_CONVERT=1 turns on the statically shaped FP8 tile conversion (compiled,
+  // not yet run on a GPU: off by default until a GPU run has tested and timed it)
+  const char *fast_convert = std::getenv("PAGEDKV_CUDA_FP8_FAST_CONVERT");
+  p.fp8_fast_convert = fast_convert && fast_convert[0] == '1';
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

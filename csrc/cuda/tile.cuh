@@ -244,4 +244,37 @@ __device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *sr
   }
 }
 
+// The same conversion for one scale per row already staged in shared memory (row_scales[r]), with
+// the tile's shape and the FP8 format fixed at compile time: each thread's units are known
+// statically (no divisions, no per-pair branches) and the pairs convert through fp8x2_to_float2's
+// hardware path. Masked rows become zeros.
+template <typename T, int kRows, int kThreads, int kD, bool kE4m3>
+__device__ __forceinline__ void convert_fp8_tile_row_scaled(uint8_t *dst, const uint8_t *src,
+                                                            const TileRows *rows, const float *row_scales) {
+  constexpr int kUnits = kD / 16;  // 16 FP8 elements per unit
+  static_assert(kRows * kUnits % kThreads == 0, "whole units per thread");
+#pragma unroll
+  for (int k = 0; k < kRows * kUnits / kThreads; k++) {
+    const int u = static_cast<int>(threadIdx.x) + k * kThreads;
+    const int r = u / kUnits, j = u % kUnits;
+    uint4 out0 = make_uint4(0, 0, 0, 0), out1 = make_uint4(0, 0, 0, 0);
+    if (rows[r].page >= 0) {
+      const float s = row_scales[r];
+      const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kRows));
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t packed[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const uint16_t pair = static_cast<uint16_t>(words[i / 2] >> (16 * (i % 2)));
+        const float2 f = fp8x2_to_float2<kE4m3>(pair);
+        packed[i] = pack2<T>(f.x * s, f.y * s);
+      }
+      out0 = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      out1 = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j, kRows)) = out0;
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j + 1, kRows)) = out1;
+  }
+}
+
 }  // namespace pkv

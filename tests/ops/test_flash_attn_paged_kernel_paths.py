@@ -172,6 +172,25 @@ def test_flash_attn_paged_cuda_one_split_many_tiles(monkeypatch, loader, page_si
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("q_dtype", Q16_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
+def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim, q_dtype, cache_dtype):
+    """PAGEDKV_CUDA_FP8_FAST_CONVERT=1 (FP8 tiles converted with one scale per row through the
+    statically shaped, hardware-cvt path): decode rows (the key split), a prefill chunk and rows of
+    many tiles against the reference, and bit for bit the default conversion's output."""
+    rows = [(1100, 1), (300, 70), (0, 1), (37, 1)]
+    case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8,
+                quant_group=head_dim, seed=("fast convert", page_size, head_dim, str(q_dtype), str(cache_dtype)))
+    monkeypatch.setenv("PAGEDKV_CUDA_FP8_FAST_CONVERT", "1")
+    fast = attend("cuda", rows, **case)
+    monkeypatch.setenv("PAGEDKV_CUDA_FP8_FAST_CONVERT", "0")
+    default = attend("cuda", rows, **case)
+    assert torch.equal(fast, default)
+
+
+@CUDA_ONLY
 def test_flash_attn_paged_cuda_unsupported_raises():
     gen = generator(seed_from("unsupported"))
     for head_dim, q_dtype in [(128, torch.float32), (80, torch.bfloat16)]:
