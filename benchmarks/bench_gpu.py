@@ -135,6 +135,13 @@ def sdpa_backend_name():
     return "auto (flash/efficient chosen by torch)"
 
 
+OPT_IN_PATHS = {
+    "tile16": {"PAGEDKV_CUDA_DECODE_TILE16": "1"},
+    "fast_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "1"},
+    "tile16_fast_convert": {"PAGEDKV_CUDA_DECODE_TILE16": "1", "PAGEDKV_CUDA_FP8_FAST_CONVERT": "1"},
+}
+
+
 def bench_decode(timer, cfg, ceil):
     b, L, hq, hk, d, page, dtype = cfg["B"], cfg["L"], cfg["Hq"], cfg["Hk"], cfg["D"], cfg["P"], cfg["dtype"]
     lens = cfg.get("lens") or [L] * b
@@ -158,13 +165,17 @@ def bench_decode(timer, cfg, ceil):
     kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk if es == 1 else 0)
     io = kv_bytes + 2 * q.numel() * 2
     res.update(pagedkv_s=t, pagedkv_graph_s=tg, bytes=io, bw_frac_of_copy=io / tg / ceil["copy_bytes_per_s"])
-    if es == 1 and "PAGEDKV_CUDA_FP8_FAST_CONVERT" not in os.environ:
-        # the opt-in FP8 tile conversion (read per launch, so the graph captured here uses it)
-        os.environ["PAGEDKV_CUDA_FP8_FAST_CONVERT"] = "1"
+    # opt-in kernel paths, timed beside the default (their switches are read per launch, so the graph
+    # captured here uses them)
+    for name, env in OPT_IN_PATHS.items():
+        if (es == 2 and "FP8" in "".join(env)) or any(k in os.environ for k in env):
+            continue
+        os.environ.update(env)
         try:
-            res["fast_convert_graph_s"] = timer.graph(run)
+            res[f"{name}_graph_s"] = timer.graph(run)
         finally:
-            del os.environ["PAGEDKV_CUDA_FP8_FAST_CONVERT"]
+            for k in env:
+                del os.environ[k]
     # peers on bf16 values (same token values)
     if not cfg.get("lens"):
         kc, vc = contiguous_kv(pool, b, hk, d)
@@ -456,7 +467,7 @@ def main():
               f"{fmt(r['pagedkv_s'])} graph {fmt(r['pagedkv_graph_s'])} = {100 * r['bw_frac_of_copy']:.0f}% of copy | "
               f"sdpa {fmt(r.get('sdpa_contiguous_s'))} gather+sdpa {fmt(r.get('gather_sdpa_s'))} "
               f"flex {fmt(r.get('flex_paged_s'))}"
-              + (f" | fast FP8 convert {fmt(r['fast_convert_graph_s'])}" if r.get("fast_convert_graph_s") else ""),
+              + "".join(f" | {n} {fmt(r[n + '_graph_s'])}" for n in OPT_IN_PATHS if r.get(n + "_graph_s")),
               flush=True)
     for cfg in pre:
         r = bench_prefill(timer, cfg, ceil)

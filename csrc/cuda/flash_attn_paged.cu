@@ -32,7 +32,7 @@ namespace {
 constexpr int kAttnThreads = 128;  // 4 warps x 16 packed query rows
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int D, bool kFp8>
+template <int D, bool kFp8, int kBM = kAttnRowsM>
 struct AttnLayout {
   static constexpr int kRowsN = attn_tile_keys(D);
   static constexpr int kEs = kFp8 ? 1 : 2;
@@ -40,7 +40,7 @@ struct AttnLayout {
   static constexpr int kRawRowBytes = tile_row_bytes(D, kEs);  // bytes per row as loaded
   static constexpr int kRawUnits = D * kEs / 16;               // 16-byte units holding data
   static constexpr int kRawChunks = kRawRowBytes / kChunkBytes;
-  static constexpr int kQBytes = kAttnRowsM * kDPad * 2;
+  static constexpr int kQBytes = kBM * kDPad * 2;
   static constexpr int kRawTileBytes = kRowsN * kRawRowBytes;
   static constexpr int kConvTileBytes = kFp8 ? kRowsN * kDPad * 2 : 0;
   // [Q][stage 0 K, V][stage 1 K, V][converted K, V][3 x tile rows][2 barriers]
@@ -95,14 +95,16 @@ __device__ __forceinline__ void batch_rows(const AttnParams &p, int64_t b, int64
   *n = e - s;
 }
 
+template <int kBM>
 __device__ __forceinline__ int64_t tiles_of(const AttnParams &p, int64_t b) {
   int64_t s, n;
   batch_rows(p, b, &s, &n);
-  return (n * p.group + kAttnRowsM - 1) / kAttnRowsM;
+  return (n * p.group + kBM - 1) / kBM;
 }
 
 // CTA x handles tile `tile` of batch row `b`: a block-wide scan of the tile
 // counts (every CTA does it; B int32 reads from L2 cost less than a launch).
+template <int kBM>
 __device__ void locate_tile(const AttnParams &p, int64_t x, int64_t *b_out, int64_t *tile_out) {
   __shared__ int64_t warp_total[kAttnThreads / kWarp];
   __shared__ int64_t found_b, found_tile;
@@ -112,7 +114,7 @@ __device__ void locate_tile(const AttnParams &p, int64_t x, int64_t *b_out, int6
   const int64_t per = (batch + kAttnThreads - 1) / kAttnThreads;
   const int64_t b0 = threadIdx.x * per, b1 = b0 + per < batch ? b0 + per : batch;
   int64_t local = 0;
-  for (int64_t b = b0; b < b1; b++) local += tiles_of(p, b);
+  for (int64_t b = b0; b < b1; b++) local += tiles_of<kBM>(p, b);
   int64_t incl = local;
 #pragma unroll
   for (int o = 1; o < kWarp; o <<= 1) {
@@ -126,7 +128,7 @@ __device__ void locate_tile(const AttnParams &p, int64_t x, int64_t *b_out, int6
   int64_t acc = before + incl - local;
   if (x >= acc && x < acc + local) {
     for (int64_t b = b0; b < b1; b++) {
-      const int64_t n = tiles_of(p, b);
+      const int64_t n = tiles_of<kBM>(p, b);
       if (x < acc + n) {
         found_b = b;
         found_tile = x - acc;
@@ -175,18 +177,18 @@ struct IntTag {
   static constexpr int value = N;
 };
 
-template <int D, typename T, bool kFp8, int kLoader>
+template <int D, typename T, bool kFp8, int kLoader, int kBM>
 __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
                                           uint8_t *smem) {
-  using L = AttnLayout<D, kFp8>;
-  constexpr int BN = L::kRowsN, BM = kAttnRowsM;
+  using L = AttnLayout<D, kFp8, kBM>;
+  constexpr int BN = L::kRowsN, BM = kBM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t kv_head = blockIdx.y, split = blockIdx.z;
 
   if (p.num_splits == 1) zero_padding_rows<T>(p, kv_head, D);
 
   int64_t b, tile;
-  locate_tile(p, blockIdx.x, &b, &tile);
+  locate_tile<kBM>(p, blockIdx.x, &b, &tile);
   if (b < 0) return;  // block-uniform: more CTAs than tiles
 
   // ---- what this CTA computes ----
@@ -575,14 +577,16 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   }
 }
 
-template <int D, typename T, bool kFp8, int kLoader>
-__global__ void __launch_bounds__(kAttnThreads)
+// kBM = 16 (decode): a 4 KB query tile, so three CTAs fit an SM's shared memory; asked of the
+// register allocator too where it costs few spills (not for FP8: 190+ registers)
+template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
+__global__ void __launch_bounds__(kAttnThreads, kBM == 16 && !kFp8 ? 3 : 1)
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_align_1024(smem_raw);
-    attn_body<D, T, kFp8, kLoader>(p, &kmap, &vmap, smem);
+    attn_body<D, T, kFp8, kLoader, kBM>(p, &kmap, &vmap, smem);
   } else {
     __trap();
   }
@@ -628,11 +632,11 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const __grid_constant
 
 // ---------------------------------------------------------------- host side
 
-template <int D, typename T, bool kFp8, int kLoader>
+template <int D, typename T, bool kFp8, int kLoader, int kBM>
 cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                         cudaStream_t stream) {
-  using L = AttnLayout<D, kFp8>;
-  auto kernel = attn_kernel<D, T, kFp8, kLoader>;
+  using L = AttnLayout<D, kFp8, kBM>;
+  auto kernel = attn_kernel<D, T, kFp8, kLoader, kBM>;
   // The shared-memory opt-in is per function and device: set once per device
   // (the first, eager call; a captured graph's launches then need nothing).
   static std::atomic<uint64_t> configured{0};
@@ -654,25 +658,34 @@ cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUte
   return cudaSuccess;
 }
 
-template <int D, typename T, bool kFp8>
+template <int D, typename T, bool kFp8, int kBM>
 cudaError_t dispatch_loader(const AttnParams &p, pkv_loader loader, const CUtensorMap &kmap,
                             const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
   switch (loader) {
-  case PKV_LOADER_CP_ASYNC: return launch_attn<D, T, kFp8, PKV_LOADER_CP_ASYNC>(p, kmap, vmap, grid, stream);
-  case PKV_LOADER_TMA_PAGES: return launch_attn<D, T, kFp8, PKV_LOADER_TMA_PAGES>(p, kmap, vmap, grid, stream);
-  case PKV_LOADER_TMA_GATHER4: return launch_attn<D, T, kFp8, PKV_LOADER_TMA_GATHER4>(p, kmap, vmap, grid, stream);
+  case PKV_LOADER_CP_ASYNC: return launch_attn<D, T, kFp8, PKV_LOADER_CP_ASYNC, kBM>(p, kmap, vmap, grid, stream);
+  case PKV_LOADER_TMA_PAGES: return launch_attn<D, T, kFp8, PKV_LOADER_TMA_PAGES, kBM>(p, kmap, vmap, grid, stream);
+  case PKV_LOADER_TMA_GATHER4:
+    return launch_attn<D, T, kFp8, PKV_LOADER_TMA_GATHER4, kBM>(p, kmap, vmap, grid, stream);
   default: return cudaErrorInvalidValue;
   }
 }
 
+// rows_per_tile 16 only where the key split serves it (D <= 128: 16 keys per warp); see pkv_cuda_attn
 template <typename T, bool kFp8>
-cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
-                              const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, int rows_per_tile, pkv_loader loader,
+                              const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  const bool small = rows_per_tile == 16;
   switch (d) {
-  case 64: return dispatch_loader<64, T, kFp8>(p, loader, kmap, vmap, grid, stream);
-  case 96: return dispatch_loader<96, T, kFp8>(p, loader, kmap, vmap, grid, stream);
-  case 128: return dispatch_loader<128, T, kFp8>(p, loader, kmap, vmap, grid, stream);
-  case 256: return dispatch_loader<256, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  case 64:
+    return small ? dispatch_loader<64, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
+                 : dispatch_loader<64, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 96:
+    return small ? dispatch_loader<96, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
+                 : dispatch_loader<96, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 128:
+    return small ? dispatch_loader<128, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
+                 : dispatch_loader<128, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 256: return dispatch_loader<256, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
   default: return cudaErrorInvalidValue;
   }
 }
@@ -768,17 +781,26 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   PKV_CUDA_TRY(encode_maps(plan->loader, p.k, p.v, &kmap, &vmap));
 
   const int64_t batch = p.lengths.rows;
-  const int64_t tiles_upper = (p.num_rows * p.group + kAttnRowsM - 1) / kAttnRowsM + batch;
+  const int64_t d = p.k.head_dim;
+  // PAGEDKV_CUDA_DECODE_TILE16=1 (opt-in; compiled, not yet run on a GPU): decode-like calls (at most
+  // 16 packed rows per batch row on average) run 16-row query tiles, which any input stays correct
+  // with (more tiles, each its own CTA), where the key split keeps all four warps busy
+  const char *tile16 = std::getenv("PAGEDKV_CUDA_DECODE_TILE16");
+  const int rows_per_tile = tile16 && tile16[0] == '1' && p.key_split && d <= 128 &&
+                                    p.num_rows * p.group <= 16 * batch
+                                ? 16
+                                : kAttnRowsM;
+  const int64_t tiles_upper = (p.num_rows * p.group + rows_per_tile - 1) / rows_per_tile + batch;
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
             static_cast<unsigned>(plan->num_splits));
   const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
-  const int64_t d = p.k.head_dim;
+  const int m = rows_per_tile;
   if (a->q.dtype == PKV_DTYPE_BF16)
-    return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
-               : dispatch_head_dim<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);
-  return fp8 ? dispatch_head_dim<__half, true>(p, d, plan->loader, kmap, vmap, grid, stream)
-             : dispatch_head_dim<__half, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+    return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, m, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_head_dim<__nv_bfloat16, false>(p, d, m, plan->loader, kmap, vmap, grid, stream);
+  return fp8 ? dispatch_head_dim<__half, true>(p, d, m, plan->loader, kmap, vmap, grid, stream)
+             : dispatch_head_dim<__half, false>(p, d, m, plan->loader, kmap, vmap, grid, stream);
 }
 
 }  // extern "C"

@@ -191,6 +191,28 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("splits", ["auto", "1"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_decode_tile16(monkeypatch, splits, page_size, head_dim, cache_dtype):
+    """PAGEDKV_CUDA_DECODE_TILE16=1 (16-row query tiles for decode-like calls): decode rows equal the
+    64-row tiles' output bit for bit (the key split computes them the same way), and a row of 5 new
+    tokens (20 packed rows: two 16-row tiles) matches the reference; D 256 keeps 64-row tiles."""
+    if splits != "auto":
+        monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
+    case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8,
+                seed=("tile16", splits, page_size, head_dim, str(cache_dtype)))
+    for rows in ([(1100, 1), (0, 1), (37, 1)], [(1100, 1), (0, 1), (37, 1), (300, 5)]):
+        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_TILE16", "1")
+        small = attend("cuda", rows, **case)
+        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_TILE16", "0")
+        default = attend("cuda", rows, **case)
+        if len(rows) == 3:
+            assert torch.equal(small, default)
+
+
+@CUDA_ONLY
 def test_flash_attn_paged_cuda_unsupported_raises():
     gen = generator(seed_from("unsupported"))
     for head_dim, q_dtype in [(128, torch.float32), (80, torch.bfloat16)]:
