@@ -108,12 +108,24 @@ void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &s
   raise_cuda(pkv_cuda_load(&a, c10::cuda::getCurrentCUDAStream()));
 }
 
-void attn_cuda(const pkv_attn_args &a, const at::Tensor &q, const at::Tensor &input_row_offsets,
-               const at::Tensor &cache_lengths, const at::Tensor &lookup_table) {
+void attn_cuda(pkv_attn_args a, const at::Tensor &q, const at::Tensor &out, const at::Tensor &k_cache,
+               const at::Tensor &input_row_offsets, const at::Tensor &cache_lengths, const at::Tensor &lookup_table) {
   check_args<pkv_attn_args>(a, pkv_attn_check,
                             {{&pkv_attn_args::input_row_offsets, &input_row_offsets},
                              {&pkv_attn_args::cache_lengths, &cache_lengths},
                              {&pkv_attn_args::lookup_table, &lookup_table}});
+  // The kernels attend with 16-bit queries. Float32 ones (checked above as the caller gave them) run
+  // through a 16-bit copy in the cache's dtype (bf16 for FP8 caches), and the output comes back in
+  // float32: CUDA's accuracy is then that of 16-bit queries. Float32 caches stay unsupported.
+  at::Tensor q16, out16;
+  const auto cache_type = k_cache.scalar_type();
+  if (q.scalar_type() == at::kFloat && cache_type != at::kFloat) {
+    const auto type = cache_type == at::kHalf ? at::kHalf : at::kBFloat16;
+    q16 = q.to(type);
+    out16 = at::empty(out.sizes(), out.options().dtype(type));
+    a.q = describe(q16);
+    a.out = describe(out16);
+  }
   pkv_error err{};
   pkv_cuda_attn_plan plan{};
   raise_if_failed(pkv_cuda_attn_plan_make(&a, q.get_device(), cuda_loader(), &plan, &err), err);
@@ -127,6 +139,7 @@ void attn_cuda(const pkv_attn_args &a, const at::Tensor &q, const at::Tensor &in
   raise_cuda(pkv_cuda_attn(&a, &plan, plan.num_splits > 1 ? partial_out.data_ptr<float>() : nullptr,
                            plan.num_splits > 1 ? partial_lse.data_ptr<float>() : nullptr,
                            c10::cuda::getCurrentCUDAStream()));
+  if (out16.defined()) out.copy_(out16);
 }
 
 at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
@@ -139,7 +152,7 @@ at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_ro
   at::Tensor out = attn_output(q, v_cache);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
-            q, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
   return out;
 }
 
@@ -153,7 +166,7 @@ void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_
       cuda_device({&q, &out, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
-            q, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
@@ -165,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
   at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out, lse),
-            q, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
   return {out, lse};
 }
 

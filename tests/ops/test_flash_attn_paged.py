@@ -6,10 +6,11 @@ test_flash_attn_paged_errors.py.
 
 Attention is compared with the float64 reference within conftest.attention_tolerance: 1e-5
 (float32 queries) or 2e-2 (float16/bfloat16 queries) per-row relative L2 error; rows the reference
-zeroes (no visible key, padding) must be exactly zero. The CUDA kernels run the same grids at the
-same tolerance (16-bit queries only: float32 queries and head sizes outside 64/96/128/256 are not
-implemented there and skip, see conftest.supported_or_skip). Caches start as NaN, so a read of an
-unused slot, page or neighbouring layer shows up as a non-finite output.
+zeroes (no visible key, padding) must be exactly zero. The CUDA kernels run the same grids (float32
+queries through a 16-bit copy, so at the 16-bit tolerance there: conftest.effective_q_dtype; float32
+caches and head sizes outside 64/96/128/256 are not implemented there and skip, see
+conftest.supported_or_skip). Caches start as NaN, so a read of an unused slot, page or neighbouring
+layer shows up as a non-finite output.
 """
 
 from __future__ import annotations

@@ -213,11 +213,38 @@ def test_flash_attn_paged_cuda_decode_tile16(monkeypatch, splits, page_size, hea
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_float32_queries_run_as_16_bit(cache_dtype):
+    """Float32 queries on CUDA attend through a 16-bit copy (the cache's dtype, bf16 for FP8): the
+    output is float32 and equals, bit for bit, the 16-bit queries' output widened, for the functional,
+    .out and _lse variants."""
+    gen = generator(seed_from("f32 queries", str(cache_dtype)))
+    kv, batch = make_setup(gen, [(0, 5), (300, 1), (40, 3)], layout="separate", page_size=16, num_kv_heads=2,
+                           head_dim=128, dtype=cache_dtype, device="cuda")
+    fill_history(gen, kv, batch)
+    q = randn(gen, (batch.num_tokens, 8, 128), torch.float32, "cuda")
+    q16 = q.to(torch.float16 if cache_dtype == torch.float16 else torch.bfloat16)
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths, batch.lookup_table)
+    kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales)
+    out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, pagedkv.flash_attn_paged(q16, *args, **kwargs).float())
+    out2 = torch.full_like(out, 7.0)
+    pagedkv.flash_attn_paged(q, *args, out=out2, **kwargs)
+    assert torch.equal(out2, out)
+    out_lse, lse = pagedkv.flash_attn_paged_lse(q, *args, **kwargs)
+    out16_lse, lse16 = pagedkv.flash_attn_paged_lse(q16, *args, **kwargs)
+    assert torch.equal(out_lse, out16_lse.float()) and torch.equal(lse, lse16)
+    assert_attention_close(out, ref.flash_attn_paged(q.double(), *args, **kwargs), torch.float32, "float32 q")
+
+
+@CUDA_ONLY
 def test_flash_attn_paged_cuda_unsupported_raises():
     gen = generator(seed_from("unsupported"))
-    for head_dim, q_dtype in [(128, torch.float32), (80, torch.bfloat16)]:
+    for head_dim, q_dtype, cache_dtype in [(128, torch.float32, torch.float32), (128, torch.bfloat16, torch.float32),
+                                           (80, torch.bfloat16, torch.bfloat16)]:
         kv, batch = make_setup(gen, [(4, 1)], layout="separate", page_size=16, num_kv_heads=1,
-                               head_dim=head_dim, dtype=torch.bfloat16, device="cuda")
+                               head_dim=head_dim, dtype=cache_dtype, device="cuda")
         fill_history(gen, kv, batch)
         q = randn(gen, (1, 1, head_dim), q_dtype, "cuda")
         with pytest.raises(RuntimeError, match="not supported on CUDA"):
