@@ -5,7 +5,9 @@
 // heads that share a KV head use one K/V tile (GQA): K/V are read once per
 // tile, not once per query head. 4 warps each own 16 packed rows; QK^T and
 // PV use mma.sync m16n8k16 with fp32 accumulators and an online softmax in
-// the log2 domain. K/V tiles are double-buffered; the loader (cp.async,
+// the log2 domain. A tile of <= 16 packed rows (decode) is a key split
+// instead: every warp takes those rows over a quarter of each K/V tile, and
+// the four softmax states are folded at the end (fold_warp_states). K/V tiles are double-buffered; the loader (cp.async,
 // TMA box per page chunk, TMA gather4) only changes how a tile is filled.
 //
 // Decode-like calls with too few tiles to fill the GPU split the keys of each
@@ -43,7 +45,7 @@ struct AttnLayout {
   static constexpr int kQBytes = kBM * kDPad * 2;
   static constexpr int kRawTileBytes = kRowsN * kRawRowBytes;
   static constexpr int kConvTileBytes = kFp8 ? kRowsN * kDPad * 2 : 0;
-  // [Q][stage 0 K, V][stage 1 K, V][converted K, V][3 x tile rows][2 barriers]
+  // [Q][stage 0 K, V][stage 1 K, V][converted K, V][3 x tile rows][2 barriers][FP8 row scales]
   static constexpr int kRawOffset = kQBytes;
   static constexpr int kConvOffset = kRawOffset + 4 * kRawTileBytes;
   static constexpr int kRowsOffset = kConvOffset + 2 * kConvTileBytes;
@@ -176,6 +178,55 @@ template <int N>
 struct IntTag {
   static constexpr int value = N;
 };
+
+// The key split's end: warps 1..kWarps-1 hold softmax states (running max, partial sums, unnormalised
+// output fragments) of the same 16 rows as warp 0 over other keys. They leave them in `fold` (shared
+// memory, [warp - 1][slot][lane]: the same fragment layout in every warp) and warp 0 merges them into
+// its own. A state that saw no key (max -inf) holds zeros and adds nothing; a NaN sum stays NaN.
+// Called by every thread of the CTA (it synchronises).
+template <int D, int kWarps>
+__device__ __forceinline__ void fold_warp_states(float *fold, int warp, int lane, float (&o)[D / 8][4],
+                                                 float (&row_max)[2], float (&row_sum)[2]) {
+  constexpr int kSlots = D / 2 + 4;  // o fragments, then row_max[2], row_sum[2]
+  if (warp > 0) {
+    float *mine = fold + (warp - 1) * kSlots * kWarp + lane;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) mine[(dt * 4 + e) * kWarp] = o[dt][e];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      mine[(D / 2 + i) * kWarp] = row_max[i];
+      mine[(D / 2 + 2 + i) * kWarp] = row_sum[i];
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    float m = row_max[i];
+    for (int w = 1; w < kWarps; w++) m = fmaxf(m, fold[((w - 1) * kSlots + D / 2 + i) * kWarp + lane]);
+    const float f0 = row_max[i] == -INFINITY ? 0.0f : exp2f(row_max[i] - m);
+    row_sum[i] *= f0;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++) {
+      o[dt][2 * i] *= f0;
+      o[dt][2 * i + 1] *= f0;
+    }
+    for (int w = 1; w < kWarps; w++) {
+      const float *theirs = fold + (w - 1) * kSlots * kWarp + lane;
+      const float mw = theirs[(D / 2 + i) * kWarp];
+      const float f = mw == -INFINITY ? 0.0f : exp2f(mw - m);
+      row_sum[i] += f * theirs[(D / 2 + 2 + i) * kWarp];
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt++) {
+        o[dt][2 * i] += f * theirs[(dt * 4 + 2 * i) * kWarp];
+        o[dt][2 * i + 1] += f * theirs[(dt * 4 + 2 * i + 1) * kWarp];
+      }
+    }
+    row_max[i] = m;
+  }
+}
 
 template <int D, typename T, bool kFp8, int kLoader, int kBM>
 __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
@@ -495,49 +546,10 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // ---- key split: fold warps 1-3's softmax states (same rows, other keys) into warp 0's ----
   if constexpr (kKeySplitFits) {
     if (key_split) {
-    constexpr int kSlots = D / 8 * 4 + 4;  // o fragments, then row_max[2], row_sum[2]
-    float *fold = reinterpret_cast<float *>(sraw);  // the K/V stages: every load has landed
-    static_assert((kWarps - 1) * kSlots * kWarp * 4 <= 4 * L::kRawTileBytes, "fold fits the K/V stages");
-    __syncthreads();  // every warp is done reading its last tile
-    if (warp > 0) {
-      float *mine = fold + (warp - 1) * kSlots * kWarp + lane;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) mine[(dt * 4 + e) * kWarp] = o[dt][e];
-#pragma unroll
-      for (int i = 0; i < 2; i++) {
-        mine[(D / 2 + i) * kWarp] = row_max[i];
-        mine[(D / 2 + 2 + i) * kWarp] = row_sum[i];
-      }
-    }
-    __syncthreads();
-    if (warp > 0) return;
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-      float m = row_max[i];
-      for (int w = 1; w < kWarps; w++) m = fmaxf(m, fold[((w - 1) * kSlots + D / 2 + i) * kWarp + lane]);
-      // a state that saw no key (max -inf) holds zeros and adds nothing; a NaN sum stays NaN
-      const float f0 = row_max[i] == -INFINITY ? 0.0f : exp2f(row_max[i] - m);
-      row_sum[i] *= f0;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt++) {
-        o[dt][2 * i] *= f0;
-        o[dt][2 * i + 1] *= f0;
-      }
-      for (int w = 1; w < kWarps; w++) {
-        const float *theirs = fold + (w - 1) * kSlots * kWarp + lane;
-        const float mw = theirs[(D / 2 + i) * kWarp];
-        const float f = mw == -INFINITY ? 0.0f : exp2f(mw - m);
-        row_sum[i] += f * theirs[(D / 2 + 2 + i) * kWarp];
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
-          o[dt][2 * i] += f * theirs[(dt * 4 + 2 * i) * kWarp];
-          o[dt][2 * i + 1] += f * theirs[(dt * 4 + 2 * i + 1) * kWarp];
-        }
-      }
-      row_max[i] = m;
-    }
+      static_assert((kWarps - 1) * (D / 2 + 4) * kWarp * 4 <= 4 * L::kRawTileBytes, "fold fits the K/V stages");
+      __syncthreads();  // every warp is done reading its last tile: the K/V stages are free
+      fold_warp_states<D, kWarps>(reinterpret_cast<float *>(sraw), warp, lane, o, row_max, row_sum);
+      if (warp > 0) return;
     }
   }
 
