@@ -290,9 +290,18 @@ def bench_store_load(timer, cfg, ceil):
     load_bytes = tokens * hk * d * (2 + es)
     t_torch = timer(lambda: pool["k"][pool["table"][0].long()].reshape(-1, hk, d)[:tokens].contiguous()) \
         if es == 2 else None
+    # the opt-in warp-per-row kernels (switches read per launch)
+    os.environ["PAGEDKV_CUDA_STORE_ROWS"] = os.environ["PAGEDKV_CUDA_LOAD_ROWS"] = "1"
+    try:
+        t_store_rows = timer(lambda: ops.paged_store(key, val, pool["k"], pool["v"], offs, zero, pool["table"],
+                                                     pool["ks"], pool["vs"], 128)) if es == 2 else None
+        t_load_rows = timer(lambda: ops.paged_load(pool["k"], pool["ks"], pool["table"], lens, offs, out, 128))
+    finally:
+        del os.environ["PAGEDKV_CUDA_STORE_ROWS"], os.environ["PAGEDKV_CUDA_LOAD_ROWS"]
     return {"op": "store/load", "T": tokens, "dtype": str(dtype), "store_s": t_store, "load_s": t_load,
             "store_bw_frac": store_bytes / t_store / ceil["copy_bytes_per_s"],
-            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch}
+            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch,
+            "store_rows_s": t_store_rows, "load_rows_s": t_load_rows}
 
 
 SPARSE_LOADERS = {"cp.async": 0, "tma-gather4": 2}
@@ -481,7 +490,8 @@ def main():
         rows.append(r)
         write_results(args.out, meta, ceil, rows)
         print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
-              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
+              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])} | "
+              f"warp per row: store {fmt(r['store_rows_s'])} load {fmt(r['load_rows_s'])}",
               flush=True)
     for cfg in sp:
         r = bench_sparse(timer, cfg, ceil)

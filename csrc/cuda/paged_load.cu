@@ -6,6 +6,8 @@
 // Bounds: output rows that no [offsets[b], offsets[b] + seq_lens[b]) covers
 // are left untouched (as on the CPU); tokens past the lookup table and page
 // ids outside [0, N) are skipped, never read.
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace pkv {
@@ -21,40 +23,74 @@ struct LoadParams {
   pkv_index_view lengths;  // [B] seq_lens
   pkv_index_view table;    // [B, max_pages]
   int64_t group;
+  int whole_rows;  // a warp per output row over all its heads (PAGEDKV_CUDA_LOAD_ROWS=1)
 };
+
+// Output row `row` -> its cache slot (the batch row b whose block [offsets[b], offsets[b+1]) holds
+// it, token t = row - offsets[b]), or false when no block covers it, t is past seq_lens[b] or the
+// table, or the page id is invalid.
+__device__ __forceinline__ bool load_source(const LoadParams &p, int64_t row, int64_t *page, int64_t *slot) {
+  const int64_t page_size = p.cache.page_size;
+  const int64_t b = find_batch_row(p.offsets, row);
+  if (b < 0) return false;
+  const int64_t t = row - pkv_index_at(&p.offsets, b);
+  if (t >= pkv_index_at(&p.lengths, b) || t / page_size >= p.table.cols) return false;
+  *page = pkv_page_of(&p.table, b, t, page_size);
+  if (*page < 0 || *page >= p.cache.num_pages) return false;
+  *slot = pkv_slot_of(t, page_size);
+  return true;
+}
+
+// Elements [c, c + 8) of one head vector (vector path), dequantized for FP8.
+template <pkv_dtype kSrc, pkv_dtype kDst>
+__device__ __forceinline__ void load_8(const LoadParams &p, int64_t src, int64_t dst, int64_t c, const float *scales) {
+  constexpr bool kFp8 = kSrc == PKV_DTYPE_FP8_E4M3 || kSrc == PKV_DTYPE_FP8_E5M2;
+  float v[8];
+  load8<kSrc>(p.cache.data, src + c, v);
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] *= __ldg(scales + (c + k) / p.group);
+  }
+  store8<kDst>(p.out.data, dst + c, v);
+}
 
 template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
 __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constant__ LoadParams p) {
 #if PKV_ARCH >= 800
   constexpr bool kFp8 = kSrc == PKV_DTYPE_FP8_E4M3 || kSrc == PKV_DTYPE_FP8_E5M2;
   const int lane = threadIdx.x & 31, warps = kLoadThreads / kWarp;
-  const int64_t heads = p.cache.num_heads, d = p.cache.head_dim, page_size = p.cache.page_size;
+  const int64_t heads = p.cache.num_heads, d = p.cache.head_dim;
+  if (kVec && p.whole_rows) {
+    // a warp per output row: the row's slot is found once, then its lanes walk (head, 8-element
+    // group) pairs, all heads' loads in flight together
+    const int64_t per_head = d / 8;
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); row < p.out.num_rows;
+         row += static_cast<int64_t>(gridDim.x) * warps) {
+      int64_t page, slot;
+      if (!load_source(p, row, &page, &slot)) continue;
+      for (int64_t e = lane; e < heads * per_head; e += 32) {
+        const int64_t head = e / per_head, c = (e - head * per_head) * 8;
+        const float *scales = kFp8 ? static_cast<const float *>(p.scales.data) +
+                                         pkv_cache_offset(&p.scales, page, slot, head)
+                                   : nullptr;
+        load_8<kSrc, kDst>(p, pkv_cache_offset(&p.cache, page, slot, head),
+                           row * p.out.stride_row + head * p.out.stride_head, c, scales);
+      }
+    }
+    return;
+  }
   const int64_t units = p.out.num_rows * heads;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); u < units;
        u += static_cast<int64_t>(gridDim.x) * warps) {
     const int64_t row = u / heads, head = u % heads;
-    // the batch row whose output block [offsets[b], offsets[b+1]) holds `row`
-    const int64_t b = find_batch_row(p.offsets, row);
-    if (b < 0) continue;
-    const int64_t t = row - pkv_index_at(&p.offsets, b);
-    if (t >= pkv_index_at(&p.lengths, b) || t / page_size >= p.table.cols) continue;
-    const int64_t page = pkv_page_of(&p.table, b, t, page_size);
-    if (page < 0 || page >= p.cache.num_pages) continue;
-    const int64_t slot = pkv_slot_of(t, page_size);
+    int64_t page, slot;
+    if (!load_source(p, row, &page, &slot)) continue;
     const int64_t src = pkv_cache_offset(&p.cache, page, slot, head);
     const int64_t dst = row * p.out.stride_row + head * p.out.stride_head;
     const float *scales = kFp8 ? static_cast<const float *>(p.scales.data) + pkv_cache_offset(&p.scales, page, slot, head)
                                : nullptr;
     if constexpr (kVec) {
-      for (int64_t c = lane * 8; c < d; c += 32 * 8) {
-        float v[8];
-        load8<kSrc>(p.cache.data, src + c, v);
-        if constexpr (kFp8) {
-#pragma unroll
-          for (int k = 0; k < 8; k++) v[k] *= __ldg(scales + (c + k) / p.group);
-        }
-        store8<kDst>(p.out.data, dst + c, v);
-      }
+      for (int64_t c = lane * 8; c < d; c += 32 * 8) load_8<kSrc, kDst>(p, src, dst, c, scales);
     } else {
       for (int64_t i = lane; i < d; i += 32) {
         float v = pkv_load_f32(p.cache.data, src + i, kSrc);
@@ -70,7 +106,7 @@ __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constan
 
 template <pkv_dtype kSrc, pkv_dtype kDst>
 cudaError_t launch_load(const LoadParams &p, bool vec, cudaStream_t stream) {
-  const int64_t units = p.out.num_rows * p.cache.num_heads;
+  const int64_t units = vec && p.whole_rows ? p.out.num_rows : p.out.num_rows * p.cache.num_heads;
   if (units == 0) return cudaSuccess;
   const int64_t warps = kLoadThreads / kWarp;
   int64_t blocks = (units + warps - 1) / warps;
@@ -113,6 +149,9 @@ cudaError_t pkv_cuda_load(const pkv_load_args *a, cudaStream_t stream) {
   p.lengths = pkv_index_view_from(&a->seq_lens);
   p.table = pkv_index_view_from(&a->lookup_table);
   p.group = a->quant_group;
+  // PAGEDKV_CUDA_LOAD_ROWS=1 (opt-in; compiled, not yet run on a GPU): a warp per output row
+  const char *whole_rows = std::getenv("PAGEDKV_CUDA_LOAD_ROWS");
+  p.whole_rows = whole_rows && whole_rows[0] == '1';
   if (p.lengths.rows == 0) return cudaSuccess;
   const int64_t ces = static_cast<int64_t>(pkv_dtype_size(p.cache.dtype));
   const int64_t oes = static_cast<int64_t>(pkv_dtype_size(p.out.dtype));

@@ -9,6 +9,8 @@
 // optional on CUDA): rows outside every [offsets[b], offsets[b+1]), negative
 // positions, positions past the lookup table and page ids outside [0, N) are
 // skipped, never written.
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace pkv {
@@ -31,20 +33,28 @@ struct StoreParams {
   pkv_index_view table;    // [B, max_pages]
   int64_t num_rows;        // T = key.size(0)
   int64_t group;           // quant_group
+  int whole_rows;          // 16-bit/float32 caches: a warp per (K or V, row) over all heads
 };
+
+// The page slot token row `row` goes to, or false when it is skipped.
+__device__ __forceinline__ bool store_slot(const StoreParams &p, const pkv_cache_view &c, int64_t row,
+                                           int64_t *page_out, int64_t *slot_out) {
+  const int64_t b = find_batch_row(p.offsets, row);
+  if (b < 0) return false;
+  const int64_t pos = pkv_cache_length(&p.lengths, b) + (row - pkv_index_at(&p.offsets, b));
+  if (pos < 0 || pos / c.page_size >= p.table.cols) return false;
+  const int64_t page = pkv_page_of(&p.table, b, pos, c.page_size);
+  if (page < 0 || page >= c.num_pages) return false;
+  *page_out = page;
+  *slot_out = pkv_slot_of(pos, c.page_size);
+  return true;
+}
 
 // Element offset of the destination head vector, or -1 when skipped.
 __device__ __forceinline__ int64_t store_target(const StoreParams &p, const pkv_cache_view &c, int64_t row,
                                                 int64_t head, int64_t *page_out, int64_t *slot_out) {
-  const int64_t b = find_batch_row(p.offsets, row);
-  if (b < 0) return -1;
-  const int64_t pos = pkv_cache_length(&p.lengths, b) + (row - pkv_index_at(&p.offsets, b));
-  if (pos < 0 || pos / c.page_size >= p.table.cols) return -1;
-  const int64_t page = pkv_page_of(&p.table, b, pos, c.page_size);
-  if (page < 0 || page >= c.num_pages) return -1;
-  *page_out = page;
-  *slot_out = pkv_slot_of(pos, c.page_size);
-  return pkv_cache_offset(&c, page, *slot_out, head);
+  if (!store_slot(p, c, row, page_out, slot_out)) return -1;
+  return pkv_cache_offset(&c, *page_out, *slot_out, head);
 }
 
 // |x| as ordered bits: max over them propagates NaN (as torch's amax does).
@@ -137,6 +147,29 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_const
   __shared__ uint32_t chunk_max[kStoreThreads / kWarp][kStoreMaxChunks];
   const int warp = threadIdx.x >> 5;
   const int64_t heads = p.job[0].cache.num_heads;
+  constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
+  if constexpr (kVec && !kFp8) {
+    if (p.whole_rows) {
+      // a warp per (job, row): the row's slot is found once, then the lanes walk (head, 8-element
+      // group) pairs, all heads' loads in flight together
+      const int lane = threadIdx.x & 31;
+      const int64_t units = p.num_rows * p.num_jobs;
+      for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
+           u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
+        const StoreJob &job = p.job[u / p.num_rows];
+        const int64_t row = u % p.num_rows, per_head = job.cache.head_dim / 8;
+        int64_t page, slot;
+        if (!store_slot(p, job.cache, row, &page, &slot)) continue;
+        for (int64_t e = lane; e < heads * per_head; e += 32) {
+          const int64_t head = e / per_head, c = (e - head * per_head) * 8;
+          float v[8];
+          load8<kSrc>(job.src.data, row * job.src.stride_row + head * job.src.stride_head + c, v);
+          store8<kDst>(job.cache.data, pkv_cache_offset(&job.cache, page, slot, head) + c, v);
+        }
+      }
+      return;
+    }
+  }
   const int64_t per_job = p.num_rows * heads, units = per_job * p.num_jobs;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
        u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
@@ -163,7 +196,8 @@ bool job_vectorizable(const StoreJob &j, int64_t group) {
 
 template <pkv_dtype kSrc, pkv_dtype kDst>
 cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
-  const int64_t units = p.num_rows * p.job[0].cache.num_heads * p.num_jobs;
+  constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
+  const int64_t units = p.num_rows * p.num_jobs * (vec && !kFp8 && p.whole_rows ? 1 : p.job[0].cache.num_heads);
   if (units == 0) return cudaSuccess;
   const int64_t warps = kStoreThreads / kWarp;
   int64_t blocks = (units + warps - 1) / warps;
@@ -224,6 +258,10 @@ cudaError_t pkv_cuda_store(const pkv_store_args *a, cudaStream_t stream) {
   p.table = pkv_index_view_from(&a->lookup_table);
   p.num_rows = a->key.sizes[0];
   p.group = a->quant_group;
+  // PAGEDKV_CUDA_STORE_ROWS=1 (opt-in; compiled, not yet run on a GPU): a warp per (K or V, row) for
+  // 16-bit and float32 caches
+  const char *whole_rows = std::getenv("PAGEDKV_CUDA_STORE_ROWS");
+  p.whole_rows = whole_rows && whole_rows[0] == '1';
   if (p.lengths.rows == 0 || p.num_rows == 0) return cudaSuccess;
   StoreJob k = make_job(a->key, a->k_cache, a->k_scales);
   p.job[0] = k;
