@@ -78,7 +78,7 @@ def self_test(device: str) -> list[tuple[str, bool, str]]:
     def attend():
         got = pagedkv.flash_attn_paged(s["q"], s["offsets"], ref_k, ref_v, s["lengths"], s["table"])
         want = reference.flash_attn_paged(s["q"].double(), s["offsets"], ref_k, ref_v, s["lengths"], s["table"])
-        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        error = ((got.double() - want).norm() / want.norm()).item()
         bound = ATTENTION_RTOL[s["q"].dtype]
         return error <= bound, f"relative error {error:.1e} vs the float64 reference (bound {bound})"
 

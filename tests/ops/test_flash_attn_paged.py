@@ -82,7 +82,7 @@ def run_attention(case, device, unused="random", rows=None, padding=3, use_out=F
     else:
         out = supported_or_skip(device, pagedkv.flash_attn_paged, *args)
     expected = ref.flash_attn_paged(q.to(torch.float64), *args[1:])
-    assert_attention_close(out, expected, case["q_dtype"], f"flash_attn_paged {case_id(case)}")
+    assert_attention_close(out, expected, case["q_dtype"], f"flash_attn_paged {case_id(case)}", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -146,7 +146,7 @@ def test_flash_attn_paged_ignores_nan_outside_window(device, cache_dtype):
     out = supported_or_skip(device, pagedkv.flash_attn_paged, q, *args, **kwargs)
     expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
     assert torch.isfinite(expected).all()
-    assert_attention_close(out, expected, torch.float32, "NaN outside the window")
+    assert_attention_close(out, expected, torch.float32, "NaN outside the window", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -163,7 +163,7 @@ def test_flash_attn_paged_large_logits(device, q_dtype, softcap):
             batch.lookup_table)
     out = supported_or_skip(device, pagedkv.flash_attn_paged, q, *args, softcap=softcap)
     expected = ref.flash_attn_paged(q.double(), *args, softcap=softcap)
-    assert_attention_close(out, expected, q_dtype, "large logits")
+    assert_attention_close(out, expected, q_dtype, "large logits", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -200,7 +200,7 @@ def test_flash_attn_paged_rows_filling_the_table_exactly(device):
     kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=32)
     assert_attention_close(supported_or_skip(device, pagedkv.flash_attn_paged, q, *args, **kwargs),
                            ref.flash_attn_paged(q.double(), *args, **kwargs), torch.float32,
-                           "exact capacity attention")
+                           "exact capacity attention", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -216,7 +216,7 @@ def test_flash_attn_paged_strided_index_tensors(device):
                             lengths, table)
     expected = ref.flash_attn_paged(q.double(), batch.input_row_offsets, kv.k_cache, kv.v_cache,
                                     batch.cache_lengths, batch.lookup_table)
-    assert_attention_close(out, expected, torch.float32, "strided index tensors")
+    assert_attention_close(out, expected, torch.float32, "strided index tensors", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

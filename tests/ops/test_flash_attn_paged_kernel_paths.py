@@ -37,7 +37,7 @@ def attend(device, rows, *, page_size=16, num_kv_heads=2, head_dim=128, cache_dt
     kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=quant_group, **options)
     out = supported_or_skip(device, pagedkv.flash_attn_paged, q, *args, **kwargs)
     expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
-    assert_attention_close(out, expected, q_dtype, f"rows {rows} {options}")
+    assert_attention_close(out, expected, q_dtype, f"rows {rows} {options}", q16_on_cuda=True)
     return out
 
 
@@ -235,7 +235,8 @@ def test_flash_attn_paged_cuda_float32_queries_run_as_16_bit(cache_dtype):
     out_lse, lse = pagedkv.flash_attn_paged_lse(q, *args, **kwargs)
     out16_lse, lse16 = pagedkv.flash_attn_paged_lse(q16, *args, **kwargs)
     assert torch.equal(out_lse, out16_lse.float()) and torch.equal(lse, lse16)
-    assert_attention_close(out, ref.flash_attn_paged(q.double(), *args, **kwargs), torch.float32, "float32 q")
+    assert_attention_close(out, ref.flash_attn_paged(q.double(), *args, **kwargs), torch.float32, "float32 q",
+                           q16_on_cuda=True)
 
 
 @CUDA_ONLY

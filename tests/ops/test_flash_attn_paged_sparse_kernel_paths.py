@@ -79,7 +79,7 @@ def run_sparse(kv, q, ix, pool_tokens, *, v_cache=None, v_scales=None, scale=Non
     out = pagedkv.flash_attn_paged_sparse(q, *args)
     clean = (args[0], args[1], as_listed(ix, pool_tokens).cuda(), *args[3:])
     expected = ref.flash_attn_paged_sparse(q.double(), *clean)
-    assert_attention_close(out, expected, q.dtype, what, q16_on_cuda=False)
+    assert_attention_close(out, expected, q.dtype, what)
     return out
 
 
@@ -244,8 +244,7 @@ def test_sparse_cuda_forced_loader_that_does_not_apply_raises():
         pagedkv.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, ix)
     _C.set_cuda_loader(-1)  # auto: the portable kernel serves float32
     out = pagedkv.flash_attn_paged_sparse(q, kv.k_cache, kv.v_cache, ix)
-    assert_attention_close(out, ref.flash_attn_paged_sparse(q.double(), kv.k_cache, kv.v_cache, ix), torch.float32,
-                           q16_on_cuda=False)
+    assert_attention_close(out, ref.flash_attn_paged_sparse(q.double(), kv.k_cache, kv.v_cache, ix), torch.float32)
 
 
 def test_sparse_cuda_checks_on_reject_out_of_range_entries():
