@@ -21,6 +21,7 @@ Writes bench_gpu.json and bench_gpu.md into --out (and prints the table).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -135,6 +136,17 @@ def sdpa_backend_name():
     return "auto (flash/efficient chosen by torch)"
 
 
+@contextlib.contextmanager
+def env_switches(env):
+    """The kernels' environment switches set for the block (each read per launch), then removed."""
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k in env:
+            del os.environ[k]
+
+
 OPT_IN_PATHS = {
     "tile16": {"PAGEDKV_CUDA_DECODE_TILE16": "1"},
     "fast_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "1"},
@@ -170,12 +182,8 @@ def bench_decode(timer, cfg, ceil):
     for name, env in OPT_IN_PATHS.items():
         if (es == 2 and "FP8" in "".join(env)) or any(k in os.environ for k in env):
             continue
-        os.environ.update(env)
-        try:
+        with env_switches(env):
             res[f"{name}_graph_s"] = timer.graph(run)
-        finally:
-            for k in env:
-                del os.environ[k]
     # peers on bf16 values (same token values)
     if not cfg.get("lens"):
         kc, vc = contiguous_kv(pool, b, hk, d)
@@ -291,13 +299,10 @@ def bench_store_load(timer, cfg, ceil):
     t_torch = timer(lambda: pool["k"][pool["table"][0].long()].reshape(-1, hk, d)[:tokens].contiguous()) \
         if es == 2 else None
     # the opt-in warp-per-row kernels (switches read per launch)
-    os.environ["PAGEDKV_CUDA_STORE_ROWS"] = os.environ["PAGEDKV_CUDA_LOAD_ROWS"] = "1"
-    try:
+    with env_switches({"PAGEDKV_CUDA_STORE_ROWS": "1", "PAGEDKV_CUDA_LOAD_ROWS": "1"}):
         t_store_rows = timer(lambda: ops.paged_store(key, val, pool["k"], pool["v"], offs, zero, pool["table"],
                                                      pool["ks"], pool["vs"], 128)) if es == 2 else None
         t_load_rows = timer(lambda: ops.paged_load(pool["k"], pool["ks"], pool["table"], lens, offs, out, 128))
-    finally:
-        del os.environ["PAGEDKV_CUDA_STORE_ROWS"], os.environ["PAGEDKV_CUDA_LOAD_ROWS"]
     return {"op": "store/load", "T": tokens, "dtype": str(dtype), "store_s": t_store, "load_s": t_load,
             "store_bw_frac": store_bytes / t_store / ceil["copy_bytes_per_s"],
             "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch,
@@ -343,11 +348,8 @@ def bench_sparse(timer, cfg, ceil):
             res[key], res[f"{key}_note"] = None, str(e)[:120]
         finally:
             pagedkv._C.set_cuda_loader(-1)
-    os.environ["PAGEDKV_CUDA_SPARSE_KERNEL"] = "portable"
-    try:
+    with env_switches({"PAGEDKV_CUDA_SPARSE_KERNEL": "portable"}):
         res["sparse_portable_s"] = timer.graph(sparse)
-    finally:
-        del os.environ["PAGEDKV_CUDA_SPARSE_KERNEL"]
     best = min((v for key, v in res.items() if key.startswith("sparse_") and key.endswith("_s") and v), default=None)
     res["best_bw_frac_of_copy"] = kv_bytes / best / ceil["copy_bytes_per_s"] if best else None
     if not mla:  # dense decode over all L keys (the CUDA dense kernel has no D 576)
