@@ -158,3 +158,26 @@ def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
     out = pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table, k_scales=ones, v_scales=ones, quant_group=d)
     want = v[:, 0, 0].float().unsqueeze(1).expand(2, 4, d)  # exact in bf16 and float32
     torch.testing.assert_close(out.float(), want, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("hk", [8, 5, 12])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, layout):
+    """The per-row FP8 scales of all the KV heads of a decode item, read once per tile (head_scales in
+    decode_direct.inc): 8 heads (a whole 8 x 8 transpose of [key][head] loads), 5 (heads past the
+    item's masked off), 12 (more than 8 heads: the gathers), scales whose heads are not neighbours
+    (a [..., :1] view of a wider tensor: the gathers), short last tiles (77 keys)."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    seed = zlib.crc32(repr((str(dtype), hk, layout)).encode())
+    q, (offsets, k, v, lengths, table), kw = decode_case(seed, dtype, 128, 2 * hk, hk, 128, torch.bfloat16)
+    ks, vs = kw["k_scales"], kw["v_scales"]
+    if layout == "strided":  # stride(2) == 3: each head's scale three floats after the previous one's
+        ks = torch.cat([ks, torch.full_like(ks, float("nan")).expand(*ks.shape[:3], 2)], -1)[..., :1]
+        vs = torch.cat([vs, torch.full_like(vs, float("nan")).expand(*vs.shape[:3], 2)], -1)[..., :1]
+        assert ks.stride(2) == 3 and vs.stride(2) == 3
+    args = (offsets, k, v, lengths, table)
+    out = pagedkv.flash_attn_paged(q, *args, k_scales=ks, v_scales=vs, quant_group=128)
+    want = ref.flash_attn_paged(q.double(), *args, k_scales=ks, v_scales=vs, quant_group=128)
+    assert_attention_close(out, want, torch.bfloat16, f"{path} {dtype} hk {hk} {layout} scales")

@@ -18,6 +18,11 @@ extern "C" {
 /* Keys per K/V tile: a 64-key tile of K (D <= 128, f32) is 32 KiB and stays in
  * L1/L2 while every query vector of a work item is scored against it. */
 #define PKV_CPU_KEYS_PER_TILE 64
+/* Keys per tile where decode reads the rows in place (direct and dot decode): the tile ahead,
+ * prefetched while this one is computed, is 32 keys of all the item's heads (128 KiB of bf16 K/V
+ * at 8 heads of 128), not 64. A multiple of 32 (the softmax takes two 16-lane vectors at a time)
+ * dividing KEYS_PER_TILE. Measured in benchmarks/README.md (issue 26). */
+#define PKV_CPU_DECODE_KEYS 32
 /* Row-pointer slots per work item: the tile in use and the tiles ahead that
  * are being prefetched (pkv_cpu_kernels.inc). */
 #define PKV_CPU_TILE_SLOTS 2
