@@ -32,6 +32,30 @@
 /* exp2 of scores below -PKV_EXP2_FLOOR (log2 units under the running max) is 0: see vf_exp2_split */
 #define PKV_EXP2_FLOOR 125.0f
 
+#if defined(PKV_SIMD_AVX512) || defined(PKV_SIMD_AVX2)
+#include <immintrin.h>
+/* r[c][x] = r[x][c]: an 8 x 8 transpose of 32-bit lanes (AVX2's v_transpose_words, the direct
+ * decode's per-head FP8 scales). */
+PKV_AI void v_transpose8x8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; i++) { /* rows 2i, 2i+1: columns 0, 1 | 4, 5, then 2, 3 | 6, 7 */
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; i++) { /* rows 4i .. 4i+3 of columns c | c + 4, c = 0, 1, 2, 3 */
+    r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xee);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int c = 0; c < 4; c++) {
+    t[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
+    t[4 + c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
+  }
+  for (int c = 0; c < 8; c++) r[c] = t[c];
+}
+#endif
+
 #if defined(PKV_SIMD_AVX512)
 /* ======================================================================= AVX-512 */
 #include <immintrin.h>
@@ -480,24 +504,11 @@ PKV_AI pkv_vf vf_div(pkv_vf a, pkv_vf b) { return _mm256_div_ps(a, b); }
 PKV_AI pkv_vf vf_abs(pkv_vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 
 PKV_AI void v_transpose_words(const uint32_t *const *rows, int64_t n, uint32_t *dst, int64_t ld) {
-  __m256i r[8], t[8];
+  __m256 r[8];
   __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n > 8 ? 8 : n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (int i = 0; i < 8; i++) r[i] = _mm256_maskload_epi32((const int *)rows[i], m);
-  for (int i = 0; i < 4; i++) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; i++) {
-    r[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; c++) {
-    t[c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x20);
-    t[4 + c] = _mm256_permute2x128_si256(r[c], r[4 + c], 0x31);
-  }
-  for (int c = 0; c < n && c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), t[c]);
+  for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(_mm256_maskload_epi32((const int *)rows[i], m));
+  v_transpose8x8(r); /* moves bits only: words, not floats */
+  for (int c = 0; c < n && c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), _mm256_castps_si256(r[c]));
 }
 
 PKV_AI void v_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
