@@ -495,9 +495,14 @@ static void fuzz_attn(reader *r) {
   pkv_attn_plan plan;
   pkv_error err;
   if (pkv_attn_cpu_plan(&a, &plan, &err) != PKV_OK) goto done;
-  int64_t mid = plan.num_items ? take_below(r, plan.num_items + 1) : 0;
-  require(pkv_attn_cpu(&a, &plan, mid, plan.num_items, &err) == PKV_OK, "attention kernel runs", err.message);
-  require(pkv_attn_cpu(&a, &plan, 0, mid, &err) == PKV_OK, "attention kernel runs", err.message);
+  if (take(r) & 1) { /* claimed one at a time (the torch op's way); a second caller finds none left */
+    require(pkv_attn_cpu_claim(&a, &plan, &err) == PKV_OK, "attention kernel runs", err.message);
+    require(pkv_attn_cpu_claim(&a, &plan, &err) == PKV_OK, "attention kernel runs", err.message);
+  } else { /* two ranges, the second first */
+    int64_t mid = plan.num_items ? take_below(r, plan.num_items + 1) : 0;
+    require(pkv_attn_cpu(&a, &plan, mid, plan.num_items, &err) == PKV_OK, "attention kernel runs", err.message);
+    require(pkv_attn_cpu(&a, &plan, 0, mid, &err) == PKV_OK, "attention kernel runs", err.message);
+  }
   pkv_attn_plan_free(&plan);
   g_stats[2][2]++;
 done:

@@ -86,6 +86,13 @@ PKV_HD int32_t pkv_page_of(const pkv_index_view *lookup_table, int64_t b, int64_
 /* Slot (token row within its page) of logical token `pos`. */
 PKV_HD int64_t pkv_slot_of(int64_t pos, int64_t page_size) { return pos % page_size; }
 
+/* Encoded tokens of a cache, N * P, saturated at INT64_MAX: an expanded (stride 0) view may have a
+ * product too large for int64, and every int32 token index is below the saturated value, as
+ * pkv_sparse_check's bound. */
+PKV_HD int64_t pkv_cache_tokens(const pkv_cache_view *c) {
+  return c->page_size > 0 && c->num_pages > INT64_MAX / c->page_size ? INT64_MAX : c->num_pages * c->page_size;
+}
+
 /* Element offset of an encoded token `page * P + slot` (the seeds' get_tma_row encoding, as
  * flash_attn_paged_sparse's indices hold it), head h. */
 PKV_HD int64_t pkv_cache_token_offset(const pkv_cache_view *c, int64_t token, int64_t head) {

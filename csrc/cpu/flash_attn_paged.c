@@ -118,6 +118,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   plan->items = NULL;
   plan->num_items = 0;
   plan->splits = NULL;
+  plan->claims = NULL;
   for (int64_t b = 0; b < batch; b++) {
     int64_t rows = pkv_new_tokens(&offsets, b), nh = heads_per_item(rows, rows_max, heads, hk, amx_tiles);
     count += (rows + rows_max - 1) / rows_max * ((hk + nh - 1) / nh);
@@ -208,8 +209,9 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
     }
   }
 
-  /* ---- balance contiguous ranges: heaviest, lightest, 2nd heaviest, ... ---- */
-  if (n > 2) {
+  /* ---- heaviest first: the threads claim items in this order (pkv_attn_cpu_claim), so the light
+   * ones fill the gaps at the end ---- */
+  if (n > 1) {
     item_cost *cost = (item_cost *)malloc((size_t)n * sizeof *cost);
     pkv_attn_item *ordered = (pkv_attn_item *)malloc((size_t)n * sizeof *ordered);
     if (cost && ordered) {
@@ -219,7 +221,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
         cost[i].index = i;
       }
       qsort(cost, (size_t)n, sizeof *cost, by_cost_desc);
-      for (int64_t i = 0, lo = 0, hi = n - 1; i < n; i++) ordered[i] = items[cost[(i & 1) ? hi-- : lo++].index];
+      for (int64_t i = 0; i < n; i++) ordered[i] = items[cost[i].index];
       free(items);
       items = ordered;
     } else {
@@ -229,6 +231,12 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   }
   plan->items = items;
   plan->num_items = n;
+  plan->claims = malloc(sizeof(atomic_llong));
+  if (!plan->claims) {
+    pkv_attn_plan_free(plan);
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for the work plan");
+  }
+  atomic_init((atomic_llong *)plan->claims, 0);
 
   /* padding rows (at or after offsets[B]) output zeros, and lse -inf */
   pkv_rows_view out = pkv_rows_view_from(&a->out);
@@ -247,8 +255,10 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
 void pkv_attn_plan_free(pkv_attn_plan *plan) {
   free(plan->items);
   split_state_free((split_state *)plan->splits);
+  free(plan->claims);
   plan->items = NULL;
   plan->splits = NULL;
+  plan->claims = NULL;
   plan->num_items = 0;
 }
 
@@ -257,7 +267,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   int64_t keys = PKV_CPU_KEYS_PER_TILE, dp = pkv_cpu_pad(d), d2p = pkv_cpu_pad((d + 1) / 2), dvp = pkv_cpu_pad(dv);
   nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
-  int64_t floats = nq * dp + nq * d2p + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
+  int64_t floats = nq * dp + nq * d2p + nq * (d2p + 16) + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
                    2 * nq * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
   size_t ptr_bytes = (size_t)(4 * PKV_CPU_TILE_SLOTS * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
@@ -269,6 +279,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->dv = dv;
   w->q = f, f += nq * dp;
   w->qw = (uint32_t *)f, f += nq * d2p;
+  w->qp = (uint32_t *)f, f += nq * (d2p + 16);
   w->kt = (uint32_t *)f, f += dp * keys;
   w->krow = (uint32_t *)f, f += keys * dp;
   w->vt = f, f += keys * dvp;
@@ -286,6 +297,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->sk = f, f += nq * keys;
   w->lv = f, f += PKV_CPU_MAX_LANES * nq;
   memset(w->zero, 0, (size_t)dp * sizeof(uint32_t));
+  memset(w->s, 0, (size_t)(nq * keys) * sizeof(float)); /* lanes the dot decode's QK leaves: never garbage */
   const void **p = (const void **)f;
   w->kptr = p, p += PKV_CPU_TILE_SLOTS * keys;
   w->vptr = p, p += PKV_CPU_TILE_SLOTS * keys;
@@ -334,8 +346,9 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
   }
 }
 
-pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
-                        pkv_error *err) {
+/* Runs items [begin, end), or with `claims` the items claimed from that counter until none is left. */
+static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
+                            atomic_llong *claims, pkv_error *err) {
   if (begin >= end) return PKV_OK;
   int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3], heads = a->q.sizes[1] / a->k_cache.sizes[2];
   int64_t nq = rows_per_item(heads) * heads, dvp = pkv_cpu_pad(dv);
@@ -348,7 +361,8 @@ pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64
   int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
                 (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && a->quant_group >= d));
   split_state *st = (split_state *)plan->splits;
-  for (int64_t i = begin; i < end; i++) {
+  for (int64_t i = claims ? atomic_fetch_add(claims, 1) : begin; i < end;
+       i = claims ? atomic_fetch_add(claims, 1) : i + 1) {
     const pkv_attn_item *it = &plan->items[i];
     if (it->split_group < 0) {
       k->attn_item(a, it, use_dot, 1, &w);
@@ -367,4 +381,15 @@ pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64
   }
   free(mem);
   return PKV_OK;
+}
+
+pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
+                        pkv_error *err) {
+  return run_items(a, plan, begin, end, NULL, err);
+}
+
+pkv_status pkv_attn_cpu_claim(const pkv_attn_args *a, const pkv_attn_plan *plan, pkv_error *err) {
+  atomic_llong *claims = (atomic_llong *)plan->claims;
+  if (!claims || atomic_load(claims) >= plan->num_items) return PKV_OK; /* no scratch for nothing */
+  return run_items(a, plan, 0, plan->num_items, claims, err);
 }

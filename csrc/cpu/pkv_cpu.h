@@ -41,6 +41,7 @@ typedef struct {
   int64_t nq, d, dv;   /* capacity */
   float *q;            /* [nq, pad(d)] query vectors, float32, unscaled */
   uint32_t *qw;        /* [nq, pad(d/2)] the same as bf16 pairs (dot-product path) */
+  uint32_t *qp;        /* [nq, pad(d/2) + 16] the same in dot_pair_q's layout (FP8 dot decode) */
   uint32_t *kt;        /* [pad(d), KEYS] packed K tile: float32 or bf16 pairs, key index fastest */
   uint32_t *krow;      /* [KEYS, pad(d)] K rows converted before packing */
   float *vt;           /* [KEYS, pad(dv)] V tile, float32 */

@@ -42,15 +42,21 @@ typedef struct {
 } pkv_attn_item;
 
 typedef struct {
-  pkv_attn_item *items;
+  pkv_attn_item *items; /* heaviest first */
   int64_t num_items;
   void *splits; /* split-KV state (partials, counters), owned by the plan */
+  void *claims; /* the next item no thread has claimed (an atomic counter, pkv_attn_cpu_claim), owned */
 } pkv_attn_plan;
 
 pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_error *err);
-/* Fails only when scratch memory cannot be allocated (nothing written then). */
+/* Runs items [begin, end). Fails only when scratch memory cannot be allocated (nothing written then). */
 pkv_status pkv_attn_cpu(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
                         pkv_error *err);
+/* Runs the items no other caller has claimed yet, one at a time, until none is left: threads that
+ * call it together share the items however fast each one runs (a core slowed by other work takes
+ * fewer), where fixed ranges leave the faster threads waiting. Results do not depend on which
+ * thread ran what. Fails as pkv_attn_cpu. */
+pkv_status pkv_attn_cpu_claim(const pkv_attn_args *a, const pkv_attn_plan *plan, pkv_error *err);
 void pkv_attn_plan_free(pkv_attn_plan *plan);
 
 #ifdef __cplusplus

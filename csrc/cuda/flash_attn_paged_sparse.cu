@@ -182,7 +182,7 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
   const int heads = heads_left < p.heads_per_cta ? heads_left : p.heads_per_cta;
   const int64_t head0 = kvh * s.group + static_cast<int64_t>(blockIdx.z) * kMaxHeads;  // first query head
   const int32_t *list = s.indices + t * s.ix_stride_t + (s.ix_heads == 1 ? 0 : kvh) * s.ix_stride_h;
-  const int64_t tokens = s.k.num_pages * s.k.page_size;
+  const int64_t tokens = pkv_cache_tokens(&s.k);
   const int64_t n_tiles = (s.ix_count + kTileRows - 1) / kTileRows;
 
   float *sq = reinterpret_cast<float *>(smem + L.q);

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const _
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kSparseThreads / kWarp) + (threadIdx.x >> 5);
   if (item >= p.q.num_rows * hq) return;  // warp-uniform
   const int64_t t = item / hq, head = item % hq, kvh = head / p.group, list = p.ix_heads == 1 ? 0 : kvh;
-  const int64_t tokens = p.k.num_pages * p.k.page_size, q_off = t * p.q.stride_row + head * p.q.stride_head;
+  const int64_t tokens = pkv_cache_tokens(&p.k), q_off = t * p.q.stride_row + head * p.q.stride_head;
   __shared__ float q_shared[kSparseThreads / kWarp][kSparseSharedD];
   float *qs = q_shared[threadIdx.x >> 5];
   const int d_shared = static_cast<int>(d < kSparseSharedD ? d : kSparseSharedD);

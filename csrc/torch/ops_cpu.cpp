@@ -49,12 +49,16 @@ void attn_cpu(const pkv_attn_args &a) {
   raise_if_failed(pkv_attn_check(&a, /*check_values=*/1, &err), err);
   pkv_attn_plan plan{};
   raise_if_failed(pkv_attn_cpu_plan(&a, &plan, &err), err);
-  // One item already streams a whole sequence's K/V for a KV head: grain 1.
+  // One task per thread, each claiming items until none is left (pkv_attn_cpu_claim): a fixed split
+  // of the items left the other thread waiting whenever one core ran slower.
   std::atomic<int> failed{0};
   pkv_error item_err{};
-  at::parallel_for(0, plan.num_items, 1, [&](int64_t begin, int64_t end) {
-    pkv_error local{};
-    if (pkv_attn_cpu(&a, &plan, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+  int64_t tasks = std::min<int64_t>(at::get_num_threads(), plan.num_items);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      pkv_error local{};
+      if (pkv_attn_cpu_claim(&a, &plan, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+    }
   });
   pkv_attn_plan_free(&plan);
   TORCH_CHECK(failed.load() == 0, item_err.message);
