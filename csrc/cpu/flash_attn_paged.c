@@ -6,15 +6,16 @@
  * kernels themselves (tiles, QK^T, online softmax, PV) live in
  * pkv_cpu_kernels.inc, compiled per ISA and picked at run time (pkv_cpu.h).
  *
- * Two scheduling rules keep both cores busy under torch's static split of
- * [0, num_items) into one contiguous range per thread:
+ * Two scheduling rules keep both cores busy:
  *  - split-KV: a plan with few items (decode at small B x Hk) splits long
  *    rows' keys into several items whose (max, sum, acc) partials the last
  *    finisher merges with a log-sum-exp; the split count does not depend on
  *    the thread count, so results do not either;
- *  - balance: items are ordered heaviest, lightest, 2nd heaviest, 2nd
- *    lightest, ..., so every contiguous range holds about the same work
- *    (causal prefill blocks differ in cost by up to their row index). */
+ *  - balance: the torch op's threads claim items one at a time from an atomic
+ *    counter (pkv_attn_cpu_claim), heaviest first (causal prefill blocks
+ *    differ in cost by up to their row index), so the light ones fill the end
+ *    and a thread slowed by other work takes fewer. pkv_attn_cpu runs a fixed
+ *    range (the C tests and the fuzz harness). */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
