@@ -268,7 +268,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   int64_t keys = PKV_CPU_KEYS_PER_TILE, dp = pkv_cpu_pad(d), d2p = pkv_cpu_pad((d + 1) / 2), dvp = pkv_cpu_pad(dv);
   nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
-  int64_t floats = nq * dp + nq * d2p + nq * (d2p + 16) + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
+  int64_t floats = nq * dp + nq * d2p + nq * pkv_cpu_pair_q_words(d) + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
                    2 * nq * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
   size_t ptr_bytes = (size_t)(4 * PKV_CPU_TILE_SLOTS * keys) * sizeof(void *);
   size_t bytes = ((size_t)floats * sizeof(float) + ptr_bytes + 63) / 64 * 64;
@@ -280,7 +280,7 @@ static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64
   w->dv = dv;
   w->q = f, f += nq * dp;
   w->qw = (uint32_t *)f, f += nq * d2p;
-  w->qp = (uint32_t *)f, f += nq * (d2p + 16);
+  w->qp = (uint32_t *)f, f += nq * pkv_cpu_pair_q_words(d);
   w->kt = (uint32_t *)f, f += dp * keys;
   w->krow = (uint32_t *)f, f += keys * dp;
   w->vt = f, f += keys * dvp;

@@ -33,6 +33,10 @@ extern "C" {
 
 PKV_HD int64_t pkv_cpu_pad(int64_t n) { return (n + PKV_CPU_MAX_LANES - 1) / PKV_CPU_MAX_LANES * PKV_CPU_MAX_LANES; }
 
+/* 32-bit words per query row of the FP8 dot decode's q layout (scratch qp, dot_pair_q): the d / 2
+ * words of the halves of every 32-element chunk, then chunk 0's 16 again. */
+PKV_HD int64_t pkv_cpu_pair_q_words(int64_t d) { return pkv_cpu_pad((d + 1) / 2) + 16; }
+
 /* Query-vector arrays (q, qw, s, acc, pb, m, l) hold nqa = nq rounded up to
  * 32 rows, so the AMX path can pad its tiles with zero rows.
  * Per-thread attention scratch, allocated once per work range (never in the
@@ -41,7 +45,7 @@ typedef struct {
   int64_t nq, d, dv;   /* capacity */
   float *q;            /* [nq, pad(d)] query vectors, float32, unscaled */
   uint32_t *qw;        /* [nq, pad(d/2)] the same as bf16 pairs (dot-product path) */
-  uint32_t *qp;        /* [nq, pad(d/2) + 16] the same in dot_pair_q's layout (FP8 dot decode) */
+  uint32_t *qp;        /* [nq, pkv_cpu_pair_q_words(d)] the same in dot_pair_q's layout (FP8 dot decode) */
   uint32_t *kt;        /* [pad(d), KEYS] packed K tile: float32 or bf16 pairs, key index fastest */
   uint32_t *krow;      /* [KEYS, pad(d)] K rows converted before packing */
   float *vt;           /* [KEYS, pad(dv)] V tile, float32 */
