@@ -15,7 +15,13 @@
  *    counter (pkv_attn_cpu_claim), heaviest first (causal prefill blocks
  *    differ in cost by up to their row index), so the light ones fill the end
  *    and a thread slowed by other work takes fewer. pkv_attn_cpu runs a fixed
- *    range (the C tests and the fuzz harness). */
+ *    range (the C tests and the fuzz harness).
+ * A thread takes its next item one tile early (pkv_item_queue): the kernel
+ * prefetches that item's first tile during the current item's last, which the
+ * demand reads of every item's first tile left undone. Issue 26, Zen 4 EPYC,
+ * 2 threads, in one process (41 interleaved rounds): e4m3 decode 8.3% (B=4
+ * L=16384, 64 split items of 1024 keys) and 5.7% (B=16 L=4096) faster, bf16
+ * 2.6% and 4.0%. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -347,6 +353,22 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
   }
 }
 
+static int64_t queue_take(pkv_item_queue *q) {
+  return q->claims ? (int64_t)atomic_fetch_add((atomic_llong *)q->claims, 1) : q->next++;
+}
+
+const pkv_attn_item *pkv_item_queue_take_ahead(pkv_item_queue *q) {
+  if (q->ahead < 0) q->ahead = queue_take(q);
+  return q->ahead < q->end ? &q->items[q->ahead] : NULL;
+}
+
+/* The item to run now: the one taken ahead, else the next of the range or counter (>= end: none). */
+static int64_t queue_next(pkv_item_queue *q) {
+  int64_t i = q->ahead >= 0 ? q->ahead : queue_take(q);
+  q->ahead = -1;
+  return i;
+}
+
 /* Runs items [begin, end), or with `claims` the items claimed from that counter until none is left. */
 static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
                             atomic_llong *claims, pkv_error *err) {
@@ -362,14 +384,14 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
   int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
                 (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && a->quant_group >= d));
   split_state *st = (split_state *)plan->splits;
-  for (int64_t i = claims ? atomic_fetch_add(claims, 1) : begin; i < end;
-       i = claims ? atomic_fetch_add(claims, 1) : i + 1) {
+  pkv_item_queue queue = {plan->items, claims, begin, end, -1};
+  for (int64_t i = queue_next(&queue); i < end; i = queue_next(&queue)) {
     const pkv_attn_item *it = &plan->items[i];
     if (it->split_group < 0) {
-      k->attn_item(a, it, use_dot, 1, &w);
+      k->attn_item(a, it, &queue, use_dot, 1, &w);
       continue;
     }
-    k->attn_item(a, it, use_dot, 0, &w);
+    k->attn_item(a, it, &queue, use_dot, 0, &w);
     int64_t rows = it->num_rows * heads * it->num_kv_heads;
     float *slot = st->partials + it->split_slot * st->slot_floats;
     memcpy(slot, w.m, (size_t)rows * sizeof(float));

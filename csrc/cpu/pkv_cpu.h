@@ -65,14 +65,30 @@ typedef struct {
   float *sk;                               /* [nqa, KEYS] scores as [KV head][key][query] (AMX decode) */
 } pkv_cpu_attn_scratch;
 
+/* A thread's items after the one it runs (flash_attn_paged.c's run_items): the rest of a fixed range, or
+ * those it claims from the plan's counter. The kernel takes the next one ahead during an item's last tile
+ * to prefetch that item's first tile (each item's first tile was otherwise read on demand); run_items
+ * then runs it: a claimed item is the thread's from the moment it is taken. */
+typedef struct {
+  const pkv_attn_item *items;
+  void *claims;          /* the plan's atomic counter (pkv_attn_cpu_claim); NULL: a fixed range */
+  int64_t next, end;     /* the range's next item; items from end on do not exist */
+  int64_t ahead;         /* the item taken ahead, -1 if none */
+} pkv_item_queue;
+
+/* The next item, taken now and run next by run_items (NULL when none is left). */
+const pkv_attn_item *pkv_item_queue_take_ahead(pkv_item_queue *q);
+
 typedef struct {
   const char *name;
   /* Attention of one plan item over its keys. When write_out, normalises and
    * writes the item's rows of a->out; otherwise leaves m, l, acc in w for the
    * split-KV merge. use_dot_bf16: the item may use bf16 dot products (only
-   * passed when the CPU has them and q and K are exact in bf16). */
-  void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, int use_dot_bf16, int write_out,
-                    pkv_cpu_attn_scratch *w);
+   * passed when the CPU has them and q and K are exact in bf16). queue: the
+   * thread's items after this one (NULL: none); the kernel may take the next
+   * during this item's last tile, to prefetch its first (pkv_item_queue_take_ahead). */
+  void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, pkv_item_queue *queue, int use_dot_bf16,
+                    int write_out, pkv_cpu_attn_scratch *w);
   /* Convert n elements src (f32/f16/bf16) into dst of a cache dtype. For FP8,
    * per group of `group` elements: scale = amax / FP8_MAX (1 when amax == 0),
    * written to scales[g], and the quantized codes (bit-exact with
