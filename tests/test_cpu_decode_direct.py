@@ -138,6 +138,25 @@ def test_direct_decode_e4m3_nan_codes(monkeypatch, q_dtype, path, where, group):
 
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2], ids=str)
+def test_direct_decode_tiles_of_minus_inf_scores(monkeypatch, q_dtype, path, dtype):
+    """Keys whose every score is -inf (a -inf K element against a positive q element) get probability 0:
+    whole 32-key tiles of them at the start of an item (row 3's 1100 keys are two split items, from key
+    0 and from key 576), where the running max is still -inf, and in the middle of one. The softmax then
+    scores that tile's rows against 0, not against the -inf max (-inf - -inf is NaN)."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    q, (offsets, k, v, lengths, table), kwargs = decode_case(21, dtype, 128, 8, 2, 128, q_dtype)
+    q[:, :, 0] = q[:, :, 0].abs() + 0.5
+    for key in list(range(0, 32)) + list(range(200, 232)) + list(range(576, 640)):
+        k[int(table[3, key // PAGE]), key % PAGE, :, 0] = float("-inf")
+    out = pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table, **kwargs)
+    want = ref.flash_attn_paged(q.double(), offsets, k, v, lengths, table, **kwargs)
+    assert not torch.isnan(out).any(), f"NaN at {torch.isnan(out).nonzero()[:8].tolist()}"
+    assert_attention_close(out, want, q_dtype, f"{path} q {q_dtype} {dtype} -inf tiles")
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
     """Every one of the 256 codes as a V value: a row with one key outputs its V row times the scale
