@@ -321,8 +321,14 @@ float pkv_attn_cpu_finish_row(const pkv_attn_args *a, int64_t row, int64_t head,
   return inv;
 }
 
-/* Log-sum-exp merge of a split group's partials into out. */
-static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st) {
+/* Log-sum-exp merge of a split group's partials into out; row: dv floats of scratch. Per output row the
+ * partial rows are summed in split order into `row` (contiguous loops the compiler vectorizes) and
+ * converted by the kernels' store_vec. Per element, with a strided inner loop over the splits and a
+ * scalar store, it took 13% of a warm decode (B=2 L=1024; Zen 4, 2 threads, the merge skipped vs done
+ * in one process), this way 7%: 5% faster warm, ~1% at B=4 L=16384 in DRAM, where what is left of its
+ * 3% is reading the partials (16 splits x 32 rows x 130 floats per group there). */
+static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st,
+                         const pkv_cpu_kernels *k, float *row) {
   pkv_rows_view out = pkv_rows_view_from(&a->out);
   int64_t hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk, dv = a->v_cache.sizes[3];
   int64_t per_head = it->num_rows * heads, nq = per_head * it->num_kv_heads, count = st->count[it->split_group];
@@ -345,11 +351,13 @@ static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const 
     }
     /* a NaN sum (a split saw a NaN/+inf score) stays NaN */
     float inv = pkv_attn_cpu_finish_row(a, it->first_row + r, head, mx, sum);
-    for (int64_t i = 0; i < dv; i++) {
-      float acc = 0.0f;
-      for (int64_t s = 0; s < count; s++) acc += weight[s] * base[s * st->slot_floats + 2 * nq + qi * dv + i];
-      pkv_store_f32(out.data, dst + i, out.dtype, acc * inv);
+    for (int64_t i = 0; i < dv; i++) row[i] = 0.0f;
+    for (int64_t s = 0; s < count; s++) {
+      const float *part = base + s * st->slot_floats + 2 * nq + qi * dv, ws = weight[s];
+      for (int64_t i = 0; i < dv; i++) row[i] += ws * part[i];
     }
+    for (int64_t i = 0; i < dv; i++) row[i] *= inv;
+    k->store_vec(row, PKV_DTYPE_F32, dv, (char *)out.data + dst * (int64_t)pkv_dtype_size(out.dtype), out.dtype, NULL, 0);
   }
 }
 
@@ -399,8 +407,9 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
     for (int64_t qi = 0; qi < rows; qi++) memcpy(slot + 2 * rows + qi * dv, w.acc + qi * dvp, (size_t)dv * sizeof(float));
     /* the last split of the group to finish merges (acq_rel: it sees every partial) */
     if (atomic_fetch_add_explicit(&st->done[it->split_group], 1, memory_order_acq_rel) + 1 ==
-        st->count[it->split_group])
-      merge_splits(a, it, st);
+        st->count[it->split_group]) {
+      merge_splits(a, it, st, k, w.acc); /* this item's acc is in its slot: w.acc is free */
+    }
   }
   free(mem);
   return PKV_OK;
