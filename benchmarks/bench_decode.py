@@ -23,7 +23,7 @@ fp8 speedup over bf16, time at page P relative to page 16.
 {4, 16} x {4096, 16384} plus B=1 L=4096 and B=16 L=512. Candidates per shape, interleaved round by
 round: pagedkv bf16, FP8 e4m3 and e5m2 (one scale per (token, head): group 128 = D), and the native
 read ceiling (benchmarks/probes/read_ceiling.c through ctypes: vector loads summed over a buffer of the
-same byte size as the K/V, bf16 and FP8 + scales, with torch's thread count). % of ceiling = decode
+same byte size as the K/V, bf16 and FP8 + scales, on torch's own OpenMP threads). % of ceiling = decode
 GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, same threads, values of
 the same distribution: standard normal) runs as a subprocess right after each shape's rounds when
 benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message).
