@@ -203,6 +203,14 @@ class _PagedCacheBase:
         self.num_kv = 1 if k_only else 2
         self.num_groups = num_scale_groups(head_dim, quant_group)
 
+    def _init_blocks(self, lead, device) -> None:
+        """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`."""
+        device = _check_device(device)
+        self.blocks = host_alloc.zeros((*lead, self.head_dim), dtype=self.dtype, device=device)
+        self.scales = None
+        if is_fp8(self.dtype):
+            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
+
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
@@ -331,7 +339,33 @@ class _PagedCacheBase:
         )
 
 
-class PagedKVCacheCollection(_PagedCacheBase):
+class _LayerMajorBlocks(_PagedCacheBase):
+    """Blocks `[pages, 2|1, L, page_size, Hk, D]`: layer l's K view is `blocks[:, 0, l]`
+    (PagedKVCacheCollection, and ContinuousBatchingKVCache with a slot per page)."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def k_cache(self, layer):
+        return self.blocks[:, 0, self._check_layer(layer)]
+
+    def v_cache(self, layer):
+        return None if self.k_only else self.blocks[:, 1, self._check_layer(layer)]
+
+    def k_scales(self, layer):
+        return None if self.scales is None else self.scales[:, 0, self._check_layer(layer)]
+
+    def v_scales(self, layer):
+        if self.scales is None or self.k_only:
+            return None
+        return self.scales[:, 1, self._check_layer(layer)]
+
+
+class PagedKVCacheCollection(_LayerMajorBlocks):
     """All layers in one tensor: blocks `[N, 2|1, L, P, Hk, D]` (1 for K-only/MLA caches).
 
     Layer l's K view is `blocks[:, 0, l]` `[N, P, Hk, D]` with page stride `2*L*P*Hk*D`.
@@ -353,30 +387,7 @@ class PagedKVCacheCollection(_PagedCacheBase):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
-        device = _check_device(device)
-        lead = (num_pages, self.num_kv, num_layers, page_size, num_kv_heads)
-        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
-        self.scales = None
-        if is_fp8(dtype):
-            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    def k_cache(self, layer):
-        return self.blocks[:, 0, self._check_layer(layer)]
-
-    def v_cache(self, layer):
-        return None if self.k_only else self.blocks[:, 1, self._check_layer(layer)]
-
-    def k_scales(self, layer):
-        return None if self.scales is None else self.scales[:, 0, self._check_layer(layer)]
-
-    def v_scales(self, layer):
-        if self.scales is None or self.k_only:
-            return None
-        return self.scales[:, 1, self._check_layer(layer)]
+        self._init_blocks((num_pages, self.num_kv, num_layers, page_size, num_kv_heads), device)
 
 
 class PagedKVCacheFA3Fallback(_PagedCacheBase):
@@ -402,12 +413,7 @@ class PagedKVCacheFA3Fallback(_PagedCacheBase):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
-        device = _check_device(device)
-        lead = (self.num_kv, num_pages, page_size, num_kv_heads)
-        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
-        self.scales = None
-        if is_fp8(dtype):
-            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
+        self._init_blocks((self.num_kv, num_pages, page_size, num_kv_heads), device)
 
     @property
     def device(self) -> torch.device:
@@ -501,7 +507,7 @@ class PagedKVCache(_PagedCacheBase):
         return None if pools is None else pools[self._check_layer(layer)]
 
 
-class ContinuousBatchingKVCache(_PagedCacheBase):
+class ContinuousBatchingKVCache(_LayerMajorBlocks):
     """One contiguous slot per sequence: blocks `[slots, 2|1, L, max_len, Hk, D]`.
 
     Layer l's K view is `blocks[:, 0, l]` `[slots, max_len, Hk, D]`, i.e. a paged cache with
@@ -526,16 +532,7 @@ class ContinuousBatchingKVCache(_PagedCacheBase):
         self.max_seq_len = _check_positive_int("max_seq_len", max_seq_len)
         self.num_pages, self.page_size = self.num_slots, self.max_seq_len
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
-        device = _check_device(device)
-        lead = (num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads)
-        self.blocks = host_alloc.zeros((*lead, head_dim), dtype=dtype, device=device)
-        self.scales = None
-        if is_fp8(dtype):
-            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
+        self._init_blocks((num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads), device)
 
     def lookup_table(self, slots) -> torch.Tensor:
         """int32 [B, 1] table for rows living in `slots` (a sequence of ints or a 1-D tensor)."""
@@ -545,17 +542,3 @@ class ContinuousBatchingKVCache(_PagedCacheBase):
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slots[{b}] must be in [0, {self.num_slots}), got {slot}")
         return table.to(self.device)
-
-    def k_cache(self, layer):
-        return self.blocks[:, 0, self._check_layer(layer)]
-
-    def v_cache(self, layer):
-        return None if self.k_only else self.blocks[:, 1, self._check_layer(layer)]
-
-    def k_scales(self, layer):
-        return None if self.scales is None else self.scales[:, 0, self._check_layer(layer)]
-
-    def v_scales(self, layer):
-        if self.scales is None or self.k_only:
-            return None
-        return self.scales[:, 1, self._check_layer(layer)]
