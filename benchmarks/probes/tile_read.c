@@ -18,6 +18,9 @@
  *                        memory (per key all heads' rows: each page start to end), heads (per head its
  *                        32 rows 2 KB apart, K then V: the order the decode kernel reads bf16), K blocks
  *                        (8 keys with the heads inside for K, heads for V: the kernel's FP8 K order).
+ *   tile, no prefetch    memory order without the software prefetch: the hardware prefetchers alone
+ *   tile, 4 pages        a tile's four pages (2 K, 2 V) read side by side, a line of each in turn, no
+ *                        software prefetch: the order the hardware prefetchers serve best
  * Every figure reads the whole pool once per call; nothing is timed but the reads. */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -30,10 +33,11 @@
 #include <time.h>
 
 enum { KEYS_PER_PAGE = 16, HEADS = 8, ROW = 256, KEY_BYTES = HEADS * ROW, PAGE = KEYS_PER_PAGE * KEY_BYTES };
-enum { SEQUENTIAL, CHUNKS_1, CHUNKS_2, CHUNKS_4, TILE_MEMORY, TILE_HEADS, TILE_K_BLOCKS, MODES };
-static const char *const names[MODES] = {"sequential",     "chunks, 1 at once", "chunks, 2 at once",
-                                         "chunks, 4 at once", "tile, memory order", "tile, heads",
-                                         "tile, K blocks"};
+enum { SEQUENTIAL, CHUNKS_1, CHUNKS_2, CHUNKS_4, TILE_MEMORY, TILE_HEADS, TILE_K_BLOCKS, TILE_NO_PREFETCH,
+       TILE_PAGES, MODES };
+static const char *const names[MODES] = {"sequential",        "chunks, 1 at once",   "chunks, 2 at once",
+                                         "chunks, 4 at once", "tile, memory order",  "tile, heads",
+                                         "tile, K blocks",    "tile, no prefetch",   "tile, 4 pages"};
 
 typedef struct {
   const char *k, *v;     /* the pool's halves */
@@ -108,11 +112,15 @@ static float read_tiles(const job *j, int mode) {
     if (t + 4 <= j->count)
       for (int x = 0; x < 2; x++) pf.k[x] = j->k + j->pages[t + 2 + x] * PAGE, pf.v[x] = j->v + j->pages[t + 2 + x] * PAGE;
     const int per_row = 4; /* 2048 lines of the next tile over this tile's 512 row reads */
-    if (mode == TILE_MEMORY) {
+    if (mode == TILE_NO_PREFETCH) pf.k[0] = NULL; /* prefetch_some does nothing */
+    if (mode == TILE_MEMORY || mode == TILE_NO_PREFETCH) {
       for (int key = 0; key < 2 * KEYS_PER_PAGE; key++) {
         for (int h = 0; h < HEADS; h++) prefetch_some(&pf, per_row), a = read_row(ROW_AT(k, key, h), a);
         for (int h = 0; h < HEADS; h++) prefetch_some(&pf, per_row), a = read_row(ROW_AT(v, key, h), a);
       }
+    } else if (mode == TILE_PAGES) {
+      for (int64_t x = 0; x < PAGE; x += VBYTES)
+        for (int p = 0; p < 2; p++) a = VADD(a, k[p] + x), a = VADD(a, v[p] + x);
     } else {
       if (mode == TILE_K_BLOCKS)
         for (int k0 = 0; k0 < 2 * KEYS_PER_PAGE; k0 += 8)
