@@ -203,14 +203,6 @@ class _PagedCacheBase:
         self.num_kv = 1 if k_only else 2
         self.num_groups = num_scale_groups(head_dim, quant_group)
 
-    def _init_blocks(self, lead, device) -> None:
-        """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`."""
-        device = _check_device(device)
-        self.blocks = host_alloc.zeros((*lead, self.head_dim), dtype=self.dtype, device=device)
-        self.scales = None
-        if is_fp8(self.dtype):
-            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
-
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
@@ -339,16 +331,28 @@ class _PagedCacheBase:
         )
 
 
-class _LayerMajorBlocks(_PagedCacheBase):
-    """Blocks `[pages, 2|1, L, page_size, Hk, D]`: layer l's K view is `blocks[:, 0, l]`
-    (PagedKVCacheCollection, and ContinuousBatchingKVCache with a slot per page)."""
+class _BlockCache(_PagedCacheBase):
+    """A cache held in one `blocks` tensor (and, for FP8, one `scales` tensor of the same leading shape)."""
 
     blocks: torch.Tensor
     scales: torch.Tensor | None
 
+    def _init_blocks(self, lead, device) -> None:
+        """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`."""
+        device = _check_device(device)
+        self.blocks = host_alloc.zeros((*lead, self.head_dim), dtype=self.dtype, device=device)
+        self.scales = None
+        if is_fp8(self.dtype):
+            self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
+
     @property
     def device(self) -> torch.device:
         return self.blocks.device
+
+
+class _LayerMajorBlocks(_BlockCache):
+    """Blocks `[pages, 2|1, L, page_size, Hk, D]`: layer l's K view is `blocks[:, 0, l]`
+    (PagedKVCacheCollection, and ContinuousBatchingKVCache with a slot per page)."""
 
     def k_cache(self, layer):
         return self.blocks[:, 0, self._check_layer(layer)]
@@ -390,7 +394,7 @@ class PagedKVCacheCollection(_LayerMajorBlocks):
         self._init_blocks((num_pages, self.num_kv, num_layers, page_size, num_kv_heads), device)
 
 
-class PagedKVCacheFA3Fallback(_PagedCacheBase):
+class PagedKVCacheFA3Fallback(_BlockCache):
     """One page pool shared by all layers: blocks `[2|1, N, P, Hk, D]`.
 
     Each layer has its own page table; methods take either the per-layer table `[B, max_pages]`
@@ -414,10 +418,6 @@ class PagedKVCacheFA3Fallback(_PagedCacheBase):
         self.page_size = _check_positive_int("page_size", page_size)
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
         self._init_blocks((self.num_kv, num_pages, page_size, num_kv_heads), device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
 
     def _table(self, layer, lookup_table):
         if not isinstance(lookup_table, torch.Tensor):
