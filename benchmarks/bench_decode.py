@@ -30,6 +30,8 @@ benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a 
 --baseline-path packed|fma (--packed: packed) adds another decode path of the same build for bf16 and
 e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decode where the default takes
 the AVX512_BF16 dot products): before/after ratios.
+--head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
+ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
 """
 
 from __future__ import annotations
@@ -152,18 +154,24 @@ def with_decode_path(path, fn):
     return run
 
 
+def head_major(x):
+    """x [N, P, Hk, D] as a view of head-major storage [N, Hk, P, D] holding the same values."""
+    return common.cache_tensor(x.permute(0, 2, 1, 3).contiguous()).permute(0, 2, 1, 3)
+
+
 def issue26_case(B, L, gen, lib, args):
     Hq, Hk, D, P = 32, 8, 128, 16
     threads = torch.get_num_threads()
     c = make_case(B, L, Hq, Hk, D, P, gen)
     q, k, v, table, offsets, lengths = c["q"], c["k"], c["v"], c["table"], c["offsets"], c["lengths"]
+    pages = head_major if args.head_major else (lambda x: x)
+    k, v = pages(k), pages(v)
     cands = {"bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
     out = cands["bf16"]()
     kv_bytes = k.numel() * 2 + v.numel() * 2
     fp8_bytes = 0
     for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
-        k8, ks = quantize_pages(k, dt)
-        v8, vs = quantize_pages(v, dt)
+        (k8, ks), (v8, vs) = (map(pages, quantize_pages(x, dt)) for x in (k, v))
         fp8_bytes = k8.numel() + v8.numel() + 4 * (ks.numel() + vs.numel())
         cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(q, offsets, k8, v8, lengths, table,
                                                                               k_scales=ks, v_scales=vs))(k8, ks, v8, vs)
@@ -208,6 +216,7 @@ def issue26_main(args):
     gen = torch.Generator().manual_seed(args.seed)
     env = common.environment()
     env["read_ceiling_loads"] = lib.pkv_read_ceiling_isa().decode()
+    env["cache_pages"] = "head-major [N, Hk, P, D]" if args.head_major else "token-major [N, P, Hk, D]"
     if not os.path.exists(GGML_HARNESS):
         print(f"ggml harness not built ({GGML_HARNESS}): run bash benchmarks/ggml/build.sh; ggml columns left empty")
     print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
@@ -246,7 +255,7 @@ def issue26_main(args):
     common.print_targets(targets)
     if args.no_write:
         return
-    stem = args.out or "decode_issue26_cpu" + ("_quick" if args.quick else "")
+    stem = args.out or "decode_issue26_cpu" + ("_head_major" if args.head_major else "") + ("_quick" if args.quick else "")
     ceiling = {"gbps": rows[0]["ceiling_gbps"], "mib": rows[0]["kv_MB"] * 1e6 / 2**20,
                "note": "native read ceiling of the first row; every row has its own (ceiling_gbps)"}
     issue_method = "--issue26 (" + __doc__.split("--issue26 (", 1)[1].split("\n\n")[0]
@@ -265,6 +274,8 @@ def main():
                         "where the default takes the bf16 dot products)")
     p.add_argument("--packed", action="store_const", const="packed", dest="baseline_path",
                    help="the same as --baseline-path packed")
+    p.add_argument("--head-major", action="store_true",
+                   help="with --issue26: the caches in head-major pages (storage [N, Hk, P, D]) instead of token-major")
     args = p.parse_args()
     common.setup(args)
     if args.issue26:
