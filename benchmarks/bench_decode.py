@@ -255,7 +255,8 @@ def issue26_main(args):
     common.print_targets(targets)
     if args.no_write:
         return
-    stem = args.out or "decode_issue26_cpu" + ("_head_major" if args.head_major else "") + ("_quick" if args.quick else "")
+    layout = "_head_major" if args.head_major else ""
+    stem = args.out or "decode_issue26_cpu" + layout + ("_quick" if args.quick else "")
     ceiling = {"gbps": rows[0]["ceiling_gbps"], "mib": rows[0]["kv_MB"] * 1e6 / 2**20,
                "note": "native read ceiling of the first row; every row has its own (ceiling_gbps)"}
     issue_method = "--issue26 (" + __doc__.split("--issue26 (", 1)[1].split("\n\n")[0]

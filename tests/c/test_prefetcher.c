@@ -50,7 +50,8 @@ static int has_line(const uintptr_t *set, int64_t n, uintptr_t line) {
 
 /* The lines of `bytes` bytes from p, appended to set[*n]. */
 static void add_lines(uintptr_t *set, int64_t *n, const char *p, int64_t bytes) {
-  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < (uintptr_t)p + (uintptr_t)bytes; line += 64) set[(*n)++] = line;
+  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < (uintptr_t)p + (uintptr_t)bytes; line += 64)
+    set[(*n)++] = line;
 }
 
 /* A cache view over `data`: [pages, P, H, D] rows of `row` elements (D, or 2 D for K and V side by side
@@ -72,8 +73,10 @@ static pkv_cache_view cache_view(void *data, pkv_dtype dt, int64_t pages, int64_
 static void part_lines(const pkv_cache_view *c, int64_t elem, int64_t page, int64_t slot, int64_t h, int64_t nh,
                        uintptr_t *rows, int64_t *nr, uintptr_t *hull, int64_t *nhull) {
   const char *base = (const char *)c->data;
-  for (int64_t x = h; x < h + nh; x++) add_lines(rows, nr, base + pkv_cache_offset(c, page, slot, x) * elem, c->head_dim * elem);
-  add_lines(hull, nhull, base + pkv_cache_offset(c, page, slot, h) * elem, ((nh - 1) * c->stride_head + c->head_dim) * elem);
+  for (int64_t x = h; x < h + nh; x++)
+    add_lines(rows, nr, base + pkv_cache_offset(c, page, slot, x) * elem, c->head_dim * elem);
+  add_lines(hull, nhull, base + pkv_cache_offset(c, page, slot, h) * elem,
+            ((nh - 1) * c->stride_head + c->head_dim) * elem);
 }
 
 static void item_lines(const tile_source *t, int64_t b, int64_t k0, int64_t n, uintptr_t *rows, int64_t *nr,
@@ -150,7 +153,8 @@ static void test_prefetch_lines(void) {
       int64_t nk = tile_keys(keys, tile, tile_len), ahead = tile + PF_AHEAD, limit = ahead < tiles ? ahead : tiles - 1;
       if (ahead < tiles) {
         int64_t an = ahead % TILE_SLOTS * KEYS;
-        tile_rows(&src, kmin + ahead * tile_len, tile_keys(keys, ahead, tile_len), kp + an, vp + an, ksp + an, vsp + an);
+        tile_rows(&src, kmin + ahead * tile_len, tile_keys(keys, ahead, tile_len), kp + an, vp + an, ksp + an,
+                  vsp + an);
       } else if (ahead == tiles && next_n > 0) {
         tile_source next = src;
         next.b = 1;
@@ -202,7 +206,8 @@ static void test_prefetch_lines(void) {
     /* merged spans: each line about once, twice at most where two spans share one (scale rows, a row's
      * last line); without, spans over all heads of a part repeat lines the next key's span covers too */
     if (merge)
-      CHECK(g_count <= 2 * n_hull, "iter %d: %lld prefetches for %lld lines", iter, (long long)g_count, (long long)n_hull);
+      CHECK(g_count <= 2 * n_hull, "iter %d: %lld prefetches for %lld lines", iter, (long long)g_count,
+            (long long)n_hull);
     free(rows), free(hull);
     free(k), free(kv_side ? NULL : v), free(ks), free(vs), free(table), free(perm);
   }
