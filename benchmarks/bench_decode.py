@@ -21,7 +21,8 @@ fp8 speedup over bf16, time at page P relative to page 16.
 
 --issue26 (results stem decode_issue26_cpu): Hq/Hk 32/8, D 128, page 16, random page order, B x L in
 {4, 16} x {4096, 16384} plus B=1 L=4096 and B=16 L=512. Candidates per shape, interleaved round by
-round: pagedkv bf16, FP8 e4m3 and e5m2 (one scale per (token, head): group 128 = D), and the native
+round: pagedkv bf16, FP8 e4m3 and e5m2 (one scale per (token, head): group 128 = D; --quant-group G: a
+scale per G channels, results stem + _gG), and the native
 read ceiling (benchmarks/probes/read_ceiling.c through ctypes: vector loads summed over a buffer of the
 same byte size as the K/V, bf16 and FP8 + scales, on torch's own OpenMP threads). % of ceiling = decode
 GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, same threads, values of
@@ -122,10 +123,10 @@ ISSUE26_CEILING_LINE = ("- read ceiling: per row (ceiling_gbps: bf16 K/V bytes; 
                         "+ scale bytes), vector loads summed, same threads, interleaved with the decode rounds")
 
 
-def quantize_pages(x, dtype, chunk=4096):
+def quantize_pages(x, dtype, group=128, chunk=4096):
     """common.quantize_fp8 over chunks of pages (the float32 temporaries of a 1 GB cache would not fit beside
     the other candidates)."""
-    parts = [common.quantize_fp8(x[i:i + chunk], dtype) for i in range(0, x.shape[0], chunk)]
+    parts = [common.quantize_fp8(x[i:i + chunk], dtype, group) for i in range(0, x.shape[0], chunk)]
     return common.cache_tensor(torch.cat([q for q, _ in parts])), torch.cat([sc for _, sc in parts])
 
 
@@ -170,11 +171,12 @@ def issue26_case(B, L, gen, lib, args):
     out = cands["bf16"]()
     kv_bytes = k.numel() * 2 + v.numel() * 2
     fp8_bytes = 0
+    G = args.quant_group
     for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
-        (k8, ks), (v8, vs) = (map(pages, quantize_pages(x, dt)) for x in (k, v))
+        (k8, ks), (v8, vs) = (map(pages, quantize_pages(x, dt, G)) for x in (k, v))
         fp8_bytes = k8.numel() + v8.numel() + 4 * (ks.numel() + vs.numel())
-        cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(q, offsets, k8, v8, lengths, table,
-                                                                              k_scales=ks, v_scales=vs))(k8, ks, v8, vs)
+        cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(
+            q, offsets, k8, v8, lengths, table, k_scales=ks, v_scales=vs, quant_group=G))(k8, ks, v8, vs)
         err = (cands[name]().float() - out.float()).abs().max().item()
         assert err < 0.25, f"{name} decode differs from bf16 by {err}"  # a sanity check, not a test
     base = args.baseline_path
@@ -217,6 +219,7 @@ def issue26_main(args):
     env = common.environment()
     env["read_ceiling_loads"] = lib.pkv_read_ceiling_isa().decode()
     env["cache_pages"] = "head-major [N, Hk, P, D]" if args.head_major else "token-major [N, P, Hk, D]"
+    env["fp8_quant_group"] = args.quant_group
     if not os.path.exists(GGML_HARNESS):
         print(f"ggml harness not built ({GGML_HARNESS}): run bash benchmarks/ggml/build.sh; ggml columns left empty")
     print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
@@ -255,7 +258,7 @@ def issue26_main(args):
     common.print_targets(targets)
     if args.no_write:
         return
-    layout = "_head_major" if args.head_major else ""
+    layout = ("_head_major" if args.head_major else "") + (f"_g{args.quant_group}" if args.quant_group != 128 else "")
     stem = args.out or "decode_issue26_cpu" + layout + ("_quick" if args.quick else "")
     ceiling = {"gbps": rows[0]["ceiling_gbps"], "mib": rows[0]["kv_MB"] * 1e6 / 2**20,
                "note": "native read ceiling of the first row; every row has its own (ceiling_gbps)"}
@@ -275,6 +278,9 @@ def main():
                         "where the default takes the bf16 dot products)")
     p.add_argument("--packed", action="store_const", const="packed", dest="baseline_path",
                    help="the same as --baseline-path packed")
+    p.add_argument("--quant-group", type=int, default=128,
+                   help="with --issue26: channels per FP8 scale (default 128 = D: one scale per token and head; "
+                        "32 is ggml q8_0's block)")
     p.add_argument("--head-major", action="store_true",
                    help="with --issue26: the caches in head-major pages (storage [N, Hk, P, D]) instead of token-major")
     args = p.parse_args()

@@ -13,8 +13,9 @@ On the scalar kernels both settings run the packed path and the test still holds
 16-bit queries over bf16/e4m3 rows keep the AMX tiles.
 
 With bf16 queries, the AVX-512 kernels on a CPU with AVX512_BF16 run the direct decode on bf16 dot
-products (csrc/cpu/kernels/decode_dot.inc) for bf16 rows (D a multiple of 32, Dv of 64) and raw e4m3
-rows with one scale per row (D, Dv multiples of 64, VBMI); PAGEDKV_CPU_DECODE=fma keeps the float32
+products (csrc/cpu/kernels/decode_dot.inc) for bf16 rows (D a multiple of 32, Dv of 64) and raw FP8
+rows with one scale per row or per group of a multiple of 32 channels (D, Dv multiples of 64, VBMI);
+PAGEDKV_CPU_DECODE=fma keeps the float32
 products there. So every test here runs for float32 and bf16 queries under all three settings:
 "direct" (the default choice), "fma" and "packed".
 """
@@ -42,27 +43,35 @@ def fp8_max(dtype):
 
 
 def make_cache(gen, num_pages, hk, d, dtype, group):
-    """Random cache [num_pages, PAGE, hk, d] of dtype with the contract's FP8 scales (None for 16-bit)."""
+    """Random cache [num_pages, PAGE, hk, d] of dtype with the contract's FP8 scales (None for 16-bit):
+    ceil(d / group) per row, the last group shorter where group does not divide d."""
     x = torch.randn(num_pages, PAGE, hk, d, generator=gen)
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return x.to(dtype), None
-    g = x.view(num_pages, PAGE, hk, d // group, group)
+    ng = (d + group - 1) // group
+    g = torch.nn.functional.pad(x, (0, ng * group - d)).view(num_pages, PAGE, hk, ng, group)
     amax = g.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
-    codes = (g / scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype).view(num_pages, PAGE, hk, d)
-    return codes, scale.squeeze(-1).contiguous()
+    codes = (g / scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype).view(num_pages, PAGE, hk, ng * group)
+    return codes[..., :d].contiguous(), scale.squeeze(-1).contiguous()
 
 
-def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    pages = [(n + PAGE - 1) // PAGE for n in LENGTHS]
-    num_pages = sum(pages) + 3
-    table = torch.zeros(len(LENGTHS), max(pages), dtype=torch.int32)
+def random_table(gen, keys, spare):
+    """A page table for rows of keys[b] keys in pages of a shuffled pool (`spare` pages more); (table, pages)."""
+    pages = [(n + PAGE - 1) // PAGE for n in keys]
+    num_pages = sum(pages) + spare
+    table = torch.zeros(len(keys), max(pages), dtype=torch.int32)
     perm = torch.randperm(num_pages, generator=gen)
     at = 0
     for b, n in enumerate(pages):
         table[b, :n] = perm[at:at + n].to(torch.int32)
         at += n
+    return table, num_pages
+
+
+def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    table, num_pages = random_table(gen, LENGTHS, 3)
     k, ks = make_cache(gen, num_pages, hk, d, dtype, group)
     v, vs = make_cache(gen, num_pages, hk, d, dtype, group)
     q = torch.randn(len(LENGTHS), q_heads, d, generator=gen).to(q_dtype)
@@ -181,13 +190,14 @@ def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-@pytest.mark.parametrize("hk", [8, 5, 12])
+@pytest.mark.parametrize("hk", [8, 5, 12, 20])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, layout):
     """The per-row FP8 scales of all the KV heads of a decode item, read once per tile (head_scales in
     decode_direct.inc): 8 heads (a whole 8 x 8 transpose of [key][head] loads), 5 (heads past the
-    item's masked off), 12 (more than 8 heads: the gathers), scales whose heads are not neighbours
-    (a [..., :1] view of a wider tensor: the gathers), short last tiles (77 keys)."""
+    item's masked off), 12 (two transposes, the second's heads past 12 masked off), 20 (more than 16
+    heads: the gathers), scales whose heads are not neighbours (a [..., :1] view of a wider tensor: the
+    gathers), short last tiles (77 keys)."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     seed = zlib.crc32(repr((str(dtype), hk, layout)).encode())
     q, (offsets, k, v, lengths, table), kw = decode_case(seed, dtype, 128, 2 * hk, hk, 128, torch.bfloat16)
@@ -200,3 +210,55 @@ def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, la
     out = pagedkv.flash_attn_paged(q, *args, k_scales=ks, v_scales=vs, quant_group=128)
     want = ref.flash_attn_paged(q.double(), *args, k_scales=ks, v_scales=vs, quant_group=128)
     assert_attention_close(out, want, torch.bfloat16, f"{path} {dtype} hk {hk} {layout} scales")
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("q_heads,hk,d,group", [(8, 2, 128, 64), (4, 1, 256, 128), (7, 1, 192, 64), (6, 2, 128, 96),
+                                                (3, 1, 128, 32), (16, 8, 128, 64), (8, 4, 128, 32)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group, layout):
+    """FP8 rows with a scale per group of channels (G < D, a multiple of 32): with bf16 queries the dot
+    decode scores each group apart and scales its partial scores (dot_qk_fp8_groups), and takes one bf16
+    probability row per V group (dot_pv_fp8_groups). 2-4 groups per row, D 256 at the default G 128,
+    G 96 (a last group of 32 channels: a 64-column V block whose halves have groups of their own), GQA 3,
+    4 and 7 (blocks of 4 query vectors and remainders), 8 KV heads x 2 groups (16 scales per key: two
+    8 x 8 transposes), 4 x 4 (16 again), and scales whose heads are not neighbours (the gathers)."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
+    q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
+    if layout == "strided":  # each head's scales two floats after the end of the previous head's
+        for name in ("k_scales", "v_scales"):
+            x = kwargs[name]
+            kwargs[name] = torch.cat([x, torch.full_like(x[..., :1], float("nan")).expand(*x.shape[:3], 2)], -1)[..., :x.shape[-1]]
+            assert kwargs[name].stride(2) == x.shape[-1] + 2
+    out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    want = ref.flash_attn_paged(q.double(), *args, **kwargs)
+    assert_attention_close(out, want, q_dtype, f"{path} q {q_dtype} {dtype} gqa {q_heads // hk} D {d} G {group} {layout}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("kdt,vdt", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.bfloat16),
+                                     (torch.bfloat16, torch.float8_e4m3fn)], ids=["e4m3", "k_e5m2-v_bf16", "k_bf16-v_e4m3"])
+def test_direct_decode_fp8_groups_rows_and_softcap(monkeypatch, path, softcap, kdt, vdt):
+    """Grouped FP8 scales (G 32, D 128) where the softmax runs row by row: a softcap, and three new tokens
+    per sequence (causal: each query row sees keys up to its own; after 31 and 62 cached keys the first
+    rows see none of the last tile's, whose probabilities must be 0 in every V group's row); K and V of
+    different dtypes (grouped on one side only)."""
+    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    gen = torch.Generator().manual_seed(5)
+    rows, hk, heads, d, group = 3, 2, 2, 128, 32
+    # cached keys before the 3 new tokens: after 31 and 62 the last 32-key tile lies past the first rows' keys
+    lengths = torch.tensor([0, 31, 62, 300, 1100], dtype=torch.int32)
+    table, num_pages = random_table(gen, [int(n) + rows for n in lengths], 2)
+    k, ks = make_cache(gen, num_pages, hk, d, kdt, group)
+    v, vs = make_cache(gen, num_pages, hk, d, vdt, group)
+    q = torch.randn(len(lengths) * rows, hk * heads, d, generator=gen).to(torch.bfloat16)
+    offsets = torch.arange(0, len(lengths) * rows + 1, rows, dtype=torch.int32)
+    args = (q, offsets, k, v, lengths, table)
+    kwargs = dict(k_scales=ks, v_scales=vs, quant_group=group, softcap=softcap)
+    out = pagedkv.flash_attn_paged(*args, **kwargs)
+    want = ref.flash_attn_paged(q.double(), *args[1:], **kwargs)
+    assert_attention_close(out, want, torch.bfloat16, f"{path} {kdt} {vdt} softcap {softcap} rows {rows}")

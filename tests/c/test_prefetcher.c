@@ -6,7 +6,7 @@
  *
  * On token-major pages (heads next to each other: key order) and head-major pages (one run per
  * head: head order when merged), K and V in tensors of their own or side by side in one (vLLM's
- * caches), bf16 and FP8 rows with scale rows, merged spans or not (pf_init's `merge`), page sizes that
+ * caches), bf16 and FP8 rows with scale rows (1-3 scale groups per row), merged spans or not (pf_init's `merge`), page sizes that
  * do and do not divide the tiles, split items and partial tiles: every cache line of the rows of the
  * tiles ahead (K and V rows of the item's heads, their scale rows) must be prefetched, and no line
  * outside those rows' hulls (a key's bytes from its first head's row to the end of its last head's,
@@ -120,8 +120,9 @@ static void test_prefetch_lines(void) {
     for (int64_t i = 0; i < 2 * max_pages; i++) table[i] = (int32_t)perm[i];
     char *k = malloc((size_t)(pages * P * H * D * (kv_side ? 2 : 1)) * elem);
     char *v = kv_side ? k + D * (int64_t)elem : malloc((size_t)(pages * P * H * D) * elem);
-    float *ks = fp8 ? malloc((size_t)(pages * P * H) * sizeof(float)) : NULL;
-    float *vs = fp8 ? malloc((size_t)(pages * P * H) * sizeof(float)) : NULL;
+    const int64_t groups = 1 + (int64_t)(rnd() % 3); /* FP8 scales per row: one, or per group of channels */
+    float *ks = fp8 ? malloc((size_t)(pages * P * H * groups) * sizeof(float)) : NULL;
+    float *vs = fp8 ? malloc((size_t)(pages * P * H * groups) * sizeof(float)) : NULL;
     pkv_dtype dt = fp8 ? PKV_DTYPE_FP8_E4M3 : PKV_DTYPE_BF16;
 
     tile_source src;
@@ -129,8 +130,8 @@ static void test_prefetch_lines(void) {
     src.kc = cache_view(k, dt, pages, P, H, D, kv_side ? 2 * D : D, head_major);
     src.vc = cache_view(v, dt, pages, P, H, D, kv_side ? 2 * D : D, head_major);
     if (fp8) {
-      src.ks = cache_view(ks, PKV_DTYPE_F32, pages, P, H, 1, 1, head_major);
-      src.vs = cache_view(vs, PKV_DTYPE_F32, pages, P, H, 1, 1, head_major);
+      src.ks = cache_view(ks, PKV_DTYPE_F32, pages, P, H, groups, groups, head_major);
+      src.vs = cache_view(vs, PKV_DTYPE_F32, pages, P, H, groups, groups, head_major);
     }
     src.table.data = table, src.table.rows = 2, src.table.cols = max_pages;
     src.table.stride_row = max_pages, src.table.stride_col = 1;
