@@ -246,7 +246,9 @@ def test_direct_decode_fp8_groups_rows_and_softcap(monkeypatch, path, softcap, k
     """Grouped FP8 scales (G 32, D 128) where the softmax runs row by row: a softcap, and three new tokens
     per sequence (causal: each query row sees keys up to its own; after 31 and 62 cached keys the first
     rows see none of the last tile's, whose probabilities must be 0 in every V group's row); K and V of
-    different dtypes (grouped on one side only)."""
+    different dtypes (grouped on one side only). Without the softcap, K that can hold -inf (e5m2, bf16)
+    gets whole tiles of -inf scores at the start of the longest row (the running max still -inf there:
+    zero probabilities in every V group's row)."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     gen = torch.Generator().manual_seed(5)
     rows, hk, heads, d, group = 3, 2, 2, 128, 32
@@ -257,6 +259,10 @@ def test_direct_decode_fp8_groups_rows_and_softcap(monkeypatch, path, softcap, k
     v, vs = make_cache(gen, num_pages, hk, d, vdt, group)
     q = torch.randn(len(lengths) * rows, hk * heads, d, generator=gen).to(torch.bfloat16)
     offsets = torch.arange(0, len(lengths) * rows + 1, rows, dtype=torch.int32)
+    if softcap == 0.0 and kdt != torch.float8_e4m3fn:  # e4m3 has no infinity
+        q[:, :, 0] = q[:, :, 0].abs() + 0.5
+        for key in range(64):
+            k[int(table[4, key // PAGE]), key % PAGE, :, 0] = float("-inf")
     args = (q, offsets, k, v, lengths, table)
     kwargs = dict(k_scales=ks, v_scales=vs, quant_group=group, softcap=softcap)
     out = pagedkv.flash_attn_paged(*args, **kwargs)
