@@ -195,9 +195,9 @@ def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
 def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, layout):
     """The per-row FP8 scales of all the KV heads of a decode item, read once per tile (head_scales in
     decode_direct.inc): 8 heads (a whole 8 x 8 transpose of [key][head] loads), 5 (heads past the
-    item's masked off), 12 (two transposes, the second's heads past 12 masked off), 20 (more than 16
-    heads: the gathers), scales whose heads are not neighbours (a [..., :1] view of a wider tensor: the
-    gathers), short last tiles (77 keys)."""
+    item's masked off), 12 and 20 (two and three transposes, the last one's heads past the item's masked
+    off), scales whose heads are not neighbours (a [..., :1] view of a wider tensor: the gathers), short
+    last tiles (77 keys)."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     seed = zlib.crc32(repr((str(dtype), hk, layout)).encode())
     q, (offsets, k, v, lengths, table), kw = decode_case(seed, dtype, 128, 2 * hk, hk, 128, torch.bfloat16)
@@ -216,15 +216,15 @@ def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, la
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("q_heads,hk,d,group", [(8, 2, 128, 64), (4, 1, 256, 128), (7, 1, 192, 64), (6, 2, 128, 96),
-                                                (3, 1, 128, 32), (16, 8, 128, 64), (8, 4, 128, 32)])
+                                                (3, 1, 128, 32), (16, 8, 128, 64), (8, 4, 128, 32), (32, 8, 128, 32)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group, layout):
     """FP8 rows with a scale per group of channels (G < D, a multiple of 32): with bf16 queries the dot
     decode scores each group apart and scales its partial scores (dot_qk_fp8_groups), and takes one bf16
     probability row per V group (dot_pv_fp8_groups). 2-4 groups per row, D 256 at the default G 128,
     G 96 (a last group of 32 channels: a 64-column V block whose halves have groups of their own), GQA 3,
-    4 and 7 (blocks of 4 query vectors and remainders), 8 KV heads x 2 groups (16 scales per key: two
-    8 x 8 transposes), 4 x 4 (16 again), and scales whose heads are not neighbours (the gathers)."""
+    4 and 7 (blocks of 4 query vectors and remainders), 8 KV heads x 2 groups and 4 x 4 (16 scales per key:
+    two 8 x 8 transposes), 8 x 4 (32: four), and scales whose heads are not neighbours (the gathers)."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
     q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
