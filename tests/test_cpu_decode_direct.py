@@ -42,10 +42,14 @@ def fp8_max(dtype):
     return 448.0 if dtype == torch.float8_e4m3fn else 57344.0
 
 
-def make_cache(gen, num_pages, hk, d, dtype, group):
+def make_cache(gen, num_pages, hk, d, dtype, group, spread=False):
     """Random cache [num_pages, PAGE, hk, d] of dtype with the contract's FP8 scales (None for 16-bit):
-    ceil(d / group) per row, the last group shorter where group does not divide d."""
+    ceil(d / group) per row, the last group shorter where group does not divide d. spread: the channels
+    of group g times 8 ** (g % 3 - 1), so the groups' scales differ 64-fold and one applied to another's
+    products shows."""
     x = torch.randn(num_pages, PAGE, hk, d, generator=gen)
+    if spread:
+        x = x * 8.0 ** (torch.arange(d) // group % 3 - 1).float()
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return x.to(dtype), None
     ng = (d + group - 1) // group
@@ -69,11 +73,11 @@ def random_table(gen, keys, spare):
     return table, num_pages
 
 
-def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32):
+def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32, spread=False):
     gen = torch.Generator().manual_seed(seed)
     table, num_pages = random_table(gen, LENGTHS, 3)
-    k, ks = make_cache(gen, num_pages, hk, d, dtype, group)
-    v, vs = make_cache(gen, num_pages, hk, d, dtype, group)
+    k, ks = make_cache(gen, num_pages, hk, d, dtype, group, spread)
+    v, vs = make_cache(gen, num_pages, hk, d, dtype, group, spread)
     q = torch.randn(len(LENGTHS), q_heads, d, generator=gen).to(q_dtype)
     offsets = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
     lengths = torch.tensor([n - 1 for n in LENGTHS], dtype=torch.int32)  # the new token is already stored
@@ -224,10 +228,11 @@ def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_hea
     probability row per V group (dot_pv_fp8_groups). 2-4 groups per row, D 256 at the default G 128,
     G 96 (a last group of 32 channels: a 64-column V block whose halves have groups of their own), GQA 3,
     4 and 7 (blocks of 4 query vectors and remainders), 8 KV heads x 2 groups and 4 x 4 (16 scales per key:
-    two 8 x 8 transposes), 8 x 4 (32: four), and scales whose heads are not neighbours (the gathers)."""
+    two 8 x 8 transposes), 8 x 4 (32: four), and scales whose heads are not neighbours (the gathers). The
+    groups' values differ 64-fold (make_cache's spread), so a scale applied to the wrong group shows."""
     monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
     seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
-    q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
+    q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype, spread=True)
     if layout == "strided":  # each head's scales two floats after the end of the previous head's
         for name in ("k_scales", "v_scales"):
             x = kwargs[name]
@@ -255,8 +260,8 @@ def test_direct_decode_fp8_groups_rows_and_softcap(monkeypatch, path, softcap, k
     # cached keys before the 3 new tokens: after 31 and 62 the last 32-key tile lies past the first rows' keys
     lengths = torch.tensor([0, 31, 62, 300, 1100], dtype=torch.int32)
     table, num_pages = random_table(gen, [int(n) + rows for n in lengths], 2)
-    k, ks = make_cache(gen, num_pages, hk, d, kdt, group)
-    v, vs = make_cache(gen, num_pages, hk, d, vdt, group)
+    k, ks = make_cache(gen, num_pages, hk, d, kdt, group, spread=True)
+    v, vs = make_cache(gen, num_pages, hk, d, vdt, group, spread=True)
     q = torch.randn(len(lengths) * rows, hk * heads, d, generator=gen).to(torch.bfloat16)
     offsets = torch.arange(0, len(lengths) * rows + 1, rows, dtype=torch.int32)
     if softcap == 0.0 and kdt != torch.float8_e4m3fn:  # e4m3 has no infinity
