@@ -147,10 +147,9 @@ def env_switches(env):
             del os.environ[k]
 
 
-OPT_IN_PATHS = {
-    "tile16": {"PAGEDKV_CUDA_DECODE_TILE16": "1"},
-    "fast_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "1"},
-    "tile16_fast_convert": {"PAGEDKV_CUDA_DECODE_TILE16": "1", "PAGEDKV_CUDA_FP8_FAST_CONVERT": "1"},
+# other kernel paths timed beside the default (A/B in one run): the generic FP8 tile conversion
+OTHER_PATHS = {
+    "generic_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "0"},
 }
 
 
@@ -177,9 +176,9 @@ def bench_decode(timer, cfg, ceil):
     kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk if es == 1 else 0)
     io = kv_bytes + 2 * q.numel() * 2
     res.update(pagedkv_s=t, pagedkv_graph_s=tg, bytes=io, bw_frac_of_copy=io / tg / ceil["copy_bytes_per_s"])
-    # opt-in kernel paths, timed beside the default (their switches are read per launch, so the graph
+    # other kernel paths, timed beside the default (their switches are read per launch, so the graph
     # captured here uses them)
-    for name, env in OPT_IN_PATHS.items():
+    for name, env in OTHER_PATHS.items():
         if (es == 2 and "FP8" in "".join(env)) or any(k in os.environ for k in env):
             continue
         with env_switches(env):
@@ -298,15 +297,9 @@ def bench_store_load(timer, cfg, ceil):
     load_bytes = tokens * hk * d * (2 + es)
     t_torch = timer(lambda: pool["k"][pool["table"][0].long()].reshape(-1, hk, d)[:tokens].contiguous()) \
         if es == 2 else None
-    # the opt-in warp-per-row kernels (switches read per launch)
-    with env_switches({"PAGEDKV_CUDA_STORE_ROWS": "1", "PAGEDKV_CUDA_LOAD_ROWS": "1"}):
-        t_store_rows = timer(lambda: ops.paged_store(key, val, pool["k"], pool["v"], offs, zero, pool["table"],
-                                                     pool["ks"], pool["vs"], 128)) if es == 2 else None
-        t_load_rows = timer(lambda: ops.paged_load(pool["k"], pool["ks"], pool["table"], lens, offs, out, 128))
     return {"op": "store/load", "T": tokens, "dtype": str(dtype), "store_s": t_store, "load_s": t_load,
             "store_bw_frac": store_bytes / t_store / ceil["copy_bytes_per_s"],
-            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch,
-            "store_rows_s": t_store_rows, "load_rows_s": t_load_rows}
+            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch}
 
 
 SPARSE_LOADERS = {"cp.async": 0, "tma-gather4": 2}
@@ -478,7 +471,7 @@ def main():
               f"{fmt(r['pagedkv_s'])} graph {fmt(r['pagedkv_graph_s'])} = {100 * r['bw_frac_of_copy']:.0f}% of copy | "
               f"sdpa {fmt(r.get('sdpa_contiguous_s'))} gather+sdpa {fmt(r.get('gather_sdpa_s'))} "
               f"flex {fmt(r.get('flex_paged_s'))}"
-              + "".join(f" | {n} {fmt(r[n + '_graph_s'])}" for n in OPT_IN_PATHS if r.get(n + "_graph_s")),
+              + "".join(f" | {n} {fmt(r[n + '_graph_s'])}" for n in OTHER_PATHS if r.get(n + "_graph_s")),
               flush=True)
     for cfg in pre:
         r = bench_prefill(timer, cfg, ceil)
@@ -492,8 +485,7 @@ def main():
         rows.append(r)
         write_results(args.out, meta, ceil, rows)
         print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
-              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])} | "
-              f"warp per row: store {fmt(r['store_rows_s'])} load {fmt(r['load_rows_s'])}",
+              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
               flush=True)
     for cfg in sp:
         r = bench_sparse(timer, cfg, ceil)

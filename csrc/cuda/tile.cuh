@@ -73,22 +73,30 @@ __device__ __forceinline__ uint32_t tile_elem_offset(int r, int col, int rows) {
 
 // Page-table entries of one tile, read once and shared by the K and V loads,
 // the FP8 scale reads and the masks. page < 0 marks a masked row: past the
-// row's keys (the table entry is then never read) or an id outside [0, N).
+// row's keys (the table entry is then never read), an id outside [0, N), or
+// (page <= -2, see hidden_page) a key before every query row's window.
 struct TileRows {
   int32_t page;
   int32_t slot;
 };
 
-// Thread t < rows fills entry t for key k0 + t. Returns 1 when masked.
-__device__ __forceinline__ int fill_tile_row(TileRows *rows, int t, int64_t k0, int64_t num_keys,
-                                             const pkv_index_view &table, int64_t batch, int64_t page_size,
-                                             int64_t num_pages) {
+// A key before the window of every query row of the tile is masked like any other (zeroed, never
+// in a score), because its page may be recycled and hold anything, NaN included, and 0 * NaN in
+// the P V product would poison the rows. It keeps its page as -2 - page, so that a TMA box which
+// starts on such a key can still load the visible keys after it in the same page.
+__device__ __forceinline__ int32_t hidden_page(int32_t page) { return -2 - page; }
+
+// Thread t < rows fills entry t for key k0 + t; keys outside [first_key, num_keys) are masked.
+// Returns 1 when masked.
+__device__ __forceinline__ int fill_tile_row(TileRows *rows, int t, int64_t k0, int64_t first_key,
+                                             int64_t num_keys, const pkv_index_view &table, int64_t batch,
+                                             int64_t page_size, int64_t num_pages) {
   const int64_t key = k0 + t;
   int32_t page = -1, slot = 0;
   if (key < num_keys) {
     const int32_t id = pkv_page_of(&table, batch, key, page_size);
     if (id >= 0 && id < num_pages) {
-      page = id;
+      page = key < first_key ? hidden_page(id) : id;
       slot = static_cast<int32_t>(pkv_slot_of(key, page_size));
     }
   }
@@ -141,11 +149,26 @@ __device__ __forceinline__ void load_tile_cp_async(uint8_t *tile, const pkv_cach
 // so each box starts 1024-byte aligned). Boxes of masked pages are skipped;
 // rows past the keys inside a loaded box are zeroed later (zero_masked_rows).
 // Called by one thread; returns the bytes it asked the barrier to expect.
+// The box of rows s .. s + box_rows - 1, or false when it holds no visible row. A box whose first
+// rows are hidden (before every window, page <= -2) but which has a visible row after them is
+// loaded whole from its first row's page; the hidden rows are zeroed afterwards.
+__device__ __forceinline__ bool tile_box(const TileRows *rows, int s, int box_rows, TileRows *box) {
+  *box = rows[s];
+  if (box->page >= 0) return true;
+  if (box->page == -1) return false;  // past the keys or a bad id: so is the rest of the box
+  for (int r = s + 1; r < s + box_rows; r++)
+    if (rows[r].page >= 0) {
+      box->page = hidden_page(box->page);
+      return true;
+    }
+  return false;
+}
 template <int kRows>
 __device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks) {
   uint32_t bytes = 0;
+  TileRows box;
   for (int s = 0; s < kRows; s += box_rows)
-    if (rows[s].page >= 0) bytes += static_cast<uint32_t>(chunks * box_rows * kChunkBytes);
+    if (tile_box(rows, s, box_rows, &box)) bytes += static_cast<uint32_t>(chunks * box_rows * kChunkBytes);
   return bytes;
 }
 template <int kRows>
@@ -153,8 +176,8 @@ __device__ __forceinline__ void issue_tile_pages(uint8_t *tile, const CUtensorMa
                                                  const TileRows *rows, int head, int box_rows, int chunks, int es) {
   const int cols_per_chunk = kChunkBytes / es;
   for (int s = 0; s < kRows; s += box_rows) {
-    const TileRows tr = rows[s];
-    if (tr.page < 0) continue;
+    TileRows tr;
+    if (!tile_box(rows, s, box_rows, &tr)) continue;
     for (int c = 0; c < chunks; c++)
       tma_load_4d(tile + (c * kRows + s) * kChunkBytes, map, bar, c * cols_per_chunk, head, tr.slot, tr.page);
   }

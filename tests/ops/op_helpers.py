@@ -20,6 +20,7 @@ from conftest import (
     assert_bytes_equal,
     assert_lse_close,
     dtype_name,
+    effective_q_dtype,
     fill_history,
     generator,
     make_paged_kv,
@@ -59,7 +60,8 @@ __all__ = [
     "pagedkv", "_C", "ref",
     # conftest
     "CACHE_DTYPES", "CUDA_ONLY", "DEVICES", "FLOAT_DTYPES", "FP8_DTYPES", "LAYOUTS",
-    "assert_attention_close", "assert_bytes_equal", "assert_lse_close", "dtype_name", "fill_history",
+    "assert_attention_close", "assert_bytes_equal", "assert_lse_close", "dtype_name", "effective_q_dtype",
+    "fill_history",
     "generator", "make_paged_kv", "make_setup", "poison_", "ragged_inputs", "randn", "seed_from",
     "strided_index_tensors", "supported_or_skip",
     # error_cases

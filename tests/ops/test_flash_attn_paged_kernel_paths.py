@@ -177,9 +177,9 @@ def test_flash_attn_paged_cuda_one_split_many_tiles(monkeypatch, loader, page_si
 @pytest.mark.parametrize("q_dtype", Q16_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
 def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim, q_dtype, cache_dtype):
-    """PAGEDKV_CUDA_FP8_FAST_CONVERT=1 (FP8 tiles converted with one scale per row through the
-    statically shaped, hardware-cvt path): decode rows (the key split), a prefill chunk and rows of
-    many tiles against the reference, and bit for bit the default conversion's output."""
+    """FP8 tiles with one scale per row convert through the statically shaped, hardware-cvt path (the
+    default; PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic conversion): decode rows (the key split), a
+    prefill chunk and rows of many tiles against the reference, and bit for bit the generic output."""
     rows = [(1100, 1), (300, 70), (0, 1), (37, 1)]
     case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8,
                 quant_group=head_dim, seed=("fast convert", page_size, head_dim, str(q_dtype), str(cache_dtype)))
@@ -191,25 +191,43 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", ["auto", "1"])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_decode_tile16(monkeypatch, splits, page_size, head_dim, cache_dtype):
-    """PAGEDKV_CUDA_DECODE_TILE16=1 (16-row query tiles for decode-like calls): decode rows equal the
-    64-row tiles' output bit for bit (the key split computes them the same way), and a row of 5 new
-    tokens (20 packed rows: two 16-row tiles) matches the reference; D 256 keeps 64-row tiles."""
+def test_flash_attn_paged_cuda_nan_before_every_window(monkeypatch, loader, page_size, splits, cache_dtype):
+    """Sliding window, with NaN keys, values and scales in every slot that no query of its row can see
+    (a recycled page), whole pages and the head of a page: the kernels mask keys before a tile's first
+    window key like keys past the end (zeroed, never scored), so no 0 * NaN reaches P V, and a TMA box
+    that starts on such a key still loads the visible keys after it. Each loader, with and without
+    split-KV; finite output equal to the reference."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     if splits != "auto":
         monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-    case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8,
-                seed=("tile16", splits, page_size, head_dim, str(cache_dtype)))
-    for rows in ([(1100, 1), (0, 1), (37, 1)], [(1100, 1), (0, 1), (37, 1), (300, 5)]):
-        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_TILE16", "1")
-        small = attend("cuda", rows, **case)
-        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_TILE16", "0")
-        default = attend("cuda", rows, **case)
-        if len(rows) == 3:
-            assert torch.equal(small, default)
+    _C.set_cuda_loader(loader)
+    rows, window = [(300, 1), (100, 30), (1100, 1), (20, 2)], 23
+    gen = generator(seed_from("nan before window", loader, page_size, splits, str(cache_dtype)))
+    kv, batch = make_setup(gen, rows, layout="separate", page_size=page_size, num_kv_heads=2, head_dim=128,
+                           dtype=cache_dtype, device="cuda")
+    fill_history(gen, kv, batch)
+    for b, (cached, _) in enumerate(rows):  # row b's first query sits at `cached` and sees keys >= cached - window
+        keys = torch.arange(max(cached - window, 0), device="cuda")
+        pages, slots = batch.lookup_table[b, keys // page_size].long(), keys % page_size
+        for t in (kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales):
+            if t is not None:
+                t[pages, slots] = float("nan")
+    q = randn(gen, (batch.num_tokens, 8, 128), torch.bfloat16, "cuda")
+    args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths, batch.lookup_table)
+    kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, window_left=window)
+    try:
+        out = pagedkv.flash_attn_paged(q, *args, **kwargs)
+    except RuntimeError as e:  # this page size does not fit the TMA loader
+        assert "does not fit" in str(e)
+        return
+    expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
+    assert torch.isfinite(expected).all()
+    assert_attention_close(out, expected, torch.bfloat16, f"NaN before the window, {LOADER_NAMES[loader]}")
 
 
 @CUDA_ONLY

@@ -88,15 +88,6 @@ def test_paged_load(device, case):
     run_load(case, device)
 
 
-@CUDA_ONLY
-@pytest.mark.parametrize("case", params(LOAD_CASES))
-def test_paged_load_cuda_whole_rows(monkeypatch, case):
-    """PAGEDKV_CUDA_LOAD_ROWS=1 (a warp per output row over all heads): the same grid, the same
-    values as the reference."""
-    monkeypatch.setenv("PAGEDKV_CUDA_LOAD_ROWS", "1")
-    run_load(case, "cuda")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_paged_load_ignores_unused_table_entries(device, layout):

@@ -98,15 +98,6 @@ def test_paged_store(device, case):
     run_store(case, device)
 
 
-@CUDA_ONLY
-@pytest.mark.parametrize("case", params(STORE_CASES))
-def test_paged_store_cuda_whole_rows(monkeypatch, case):
-    """PAGEDKV_CUDA_STORE_ROWS=1 (a warp per (K or V, row) over all heads, 16-bit and float32
-    caches; FP8 cases run the default kernel): the same grid, the same bytes as the reference."""
-    monkeypatch.setenv("PAGEDKV_CUDA_STORE_ROWS", "1")
-    run_store(case, "cuda")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("layout", LAYOUTS)
