@@ -114,6 +114,13 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
                                    pkv_error *err) {
   const char *op = "flash_attn_paged";
   const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
+  // a float32 cache first: with it the shim passes float32 queries on as they are, and the q message
+  // below would blame them
+  if (kd == PKV_DTYPE_F32 || vd == PKV_DTYPE_F32)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: float32 caches are not supported on CUDA (float16, bfloat16, float8_e4m3fn or "
+                    "float8_e5m2)",
+                    op);
   if (qd != PKV_DTYPE_BF16 && qd != PKV_DTYPE_F16)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: q dtype %s is not supported on CUDA (use float16 or bfloat16)", op,
                     pkv_dtype_name(qd));
