@@ -590,8 +590,11 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   }
 }
 
+// The explicit minimum of one CTA per SM matters: without it ptxas held the bf16 D 128 kernel to 172
+// registers instead of 201 (two CTAs per SM either way, by shared memory), and page-16 decode ran
+// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27)
 template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
-__global__ void __launch_bounds__(kAttnThreads)
+__global__ void __launch_bounds__(kAttnThreads, 1)
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
