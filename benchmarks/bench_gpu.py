@@ -147,9 +147,11 @@ def env_switches(env):
             del os.environ[k]
 
 
-# other kernel paths timed beside the default (A/B in one run): the generic FP8 tile conversion
+# other kernel paths timed beside the default (A/B in one run): the generic FP8 tile conversion, and
+# the opt-in warp barrier of the decode key split
 OTHER_PATHS = {
     "generic_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "0"},
+    "warp_sync": {"PAGEDKV_CUDA_DECODE_WARP_SYNC": "1"},
 }
 
 

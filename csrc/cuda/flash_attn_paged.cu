@@ -80,6 +80,7 @@ struct AttnParams {
   int key_split;       // tiles of <= 16 packed rows spread each K/V tile's keys over the 4 warps
   int fp8_scale_ahead; // FP8, one scale per row: load a tile's scales one tile ahead
   int fp8_fast_convert; // with scale_ahead: the statically shaped, hardware-cvt tile conversion
+  int warp_sync;       // key split: each warp readies its own keys, no block barrier (B) per tile
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -359,6 +360,14 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // of the next iteration, so the global loads' latency hides behind a tile of compute instead of
   // stalling the conversion
   const bool scale_ahead = kFp8 && p.fp8_scale_ahead && p.quant_group >= D;
+  // In a key split each warp reads only its own quarter of a tile's keys, so where it can make those
+  // rows ready itself (FP8: the fast conversion of its own rows; 16-bit with TMA: zeroing its own
+  // masked rows) the block barrier (B) before the math can be a warp barrier (p.warp_sync). 16-bit
+  // cp.async tiles still need (B): other threads' copies land in every warp's rows.
+  const bool warp_ready = key_split && p.warp_sync &&
+                          (kFp8 ? scale_ahead && p.fp8_fast_convert : kLoader != PKV_LOADER_CP_ASYNC);
+  constexpr int kOwnRows = kKeySplitFits ? BN / kWarps : BN;
+  const int own_row0 = warp * kOwnRows;
   float k_scale_next = 0.0f, v_scale_next = 0.0f;
   auto load_scales = [&](int it) {
     if (!scale_ahead || tid >= BN) return;
@@ -418,7 +427,18 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
       const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
       const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
-      if (scale_ahead && p.fp8_fast_convert) {
+      if (warp_ready) {  // this warp's own rows (fp8_fast: scale_ahead holds)
+        uint8_t *vconv = sconv + L::kConvTileBytes;
+        if (p.e4m3) {
+          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(sconv, kt, rows, k_row_scales, own_row0, lane);
+          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(vconv, vt, rows, v_row_scales, own_row0, lane);
+        } else {
+          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(sconv, kt, rows, k_row_scales, own_row0,
+                                                                        lane);
+          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(vconv, vt, rows, v_row_scales, own_row0,
+                                                                        lane);
+        }
+      } else if (scale_ahead && p.fp8_fast_convert) {
         uint8_t *vconv = sconv + L::kConvTileBytes;
         if (p.e4m3) {
           convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, true>(sconv, kt, rows, k_row_scales);
@@ -437,12 +457,20 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       vs = sconv + L::kConvTileBytes;
     } else if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
       if (masked_here > 0) {
-        zero_masked_rows<BN, kAttnThreads>(kt, rows, L::kRawUnits);
-        zero_masked_rows<BN, kAttnThreads>(vt, rows, L::kRawUnits);
+        if (warp_ready) {
+          zero_masked_rows<kOwnRows, kWarp, BN>(kt, rows, L::kRawUnits, own_row0, lane);
+          zero_masked_rows<kOwnRows, kWarp, BN>(vt, rows, L::kRawUnits, own_row0, lane);
+        } else {
+          zero_masked_rows<BN, kAttnThreads>(kt, rows, L::kRawUnits);
+          zero_masked_rows<BN, kAttnThreads>(vt, rows, L::kRawUnits);
+        }
         fence_proxy_async_smem();  // these bytes are TMA-written again two tiles later
       }
     }
-    __syncthreads();  // (B): the tile (and Q) is complete for every warp
+    if (warp_ready)
+      __syncwarp();  // this warp's rows are ready (Q and the tile rows were published by (A))
+    else
+      __syncthreads();  // (B): the tile (and Q) is complete for every warp
 
     // S = Q K^T, softmax update and O += P V over NT 8-key column blocks of the tile from
     // column kcol0: the whole tile (BN / 8 blocks), or in a key split this warp's quarter
@@ -770,6 +798,9 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic one (A/B timing, and its tests)
   const char *fast_convert = std::getenv("PAGEDKV_CUDA_FP8_FAST_CONVERT");
   p.fp8_fast_convert = !(fast_convert && fast_convert[0] == '0');
+  // PAGEDKV_CUDA_DECODE_WARP_SYNC=1 (opt-in; compiled, not yet run on a GPU): warp_sync above
+  const char *warp_sync = std::getenv("PAGEDKV_CUDA_DECODE_WARP_SYNC");
+  p.warp_sync = warp_sync && warp_sync[0] == '1';
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

@@ -218,12 +218,16 @@ __device__ __forceinline__ void issue_tile_gather4(uint8_t *tile, const CUtensor
   }
 }
 
-// Zero the units of masked rows (TMA paths load whole boxes / groups).
-template <int kRows, int kThreads>
-__device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *rows, int units_per_row) {
-  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
-    const int r = u / units_per_row, j = u - r * units_per_row;
-    if (rows[r].page < 0) *reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kRows)) = make_uint4(0, 0, 0, 0);
+// Zero the units of masked rows (TMA paths load whole boxes / groups): rows [row0, row0 + kRows) of a
+// kTileRows-row tile by kThreads threads numbered `thread` (the whole tile by the block, or one warp's
+// own rows).
+template <int kRows, int kThreads, int kTileRows = kRows>
+__device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *rows, int units_per_row, int row0 = 0,
+                                                 int thread = threadIdx.x) {
+  for (int u = thread; u < kRows * units_per_row; u += kThreads) {
+    const int r = row0 + u / units_per_row, j = u % units_per_row;
+    if (rows[r].page < 0)
+      *reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kTileRows)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -270,20 +274,22 @@ __device__ __forceinline__ void convert_fp8_tile(uint8_t *dst, const uint8_t *sr
 // The same conversion for one scale per row already staged in shared memory (row_scales[r]), with
 // the tile's shape and the FP8 format fixed at compile time: each thread's units are known
 // statically (no divisions, no per-pair branches) and the pairs convert through fp8x2_to_float2's
-// hardware path. Masked rows become zeros.
-template <typename T, int kRows, int kThreads, int kD, bool kE4m3>
+// hardware path. Masked rows become zeros. Rows [row0, row0 + kRows) of a kTileRows-row tile, by kThreads
+// threads numbered `thread` (the whole tile by the block, or one warp's own rows).
+template <typename T, int kRows, int kThreads, int kD, bool kE4m3, int kTileRows = kRows>
 __device__ __forceinline__ void convert_fp8_tile_row_scaled(uint8_t *dst, const uint8_t *src,
-                                                            const TileRows *rows, const float *row_scales) {
+                                                            const TileRows *rows, const float *row_scales,
+                                                            int row0 = 0, int thread = threadIdx.x) {
   constexpr int kUnits = kD / 16;  // 16 FP8 elements per unit
   static_assert(kRows * kUnits % kThreads == 0, "whole units per thread");
 #pragma unroll
   for (int k = 0; k < kRows * kUnits / kThreads; k++) {
-    const int u = static_cast<int>(threadIdx.x) + k * kThreads;
-    const int r = u / kUnits, j = u % kUnits;
+    const int u = thread + k * kThreads;
+    const int r = row0 + u / kUnits, j = u % kUnits;
     uint4 out0 = make_uint4(0, 0, 0, 0), out1 = make_uint4(0, 0, 0, 0);
     if (rows[r].page >= 0) {
       const float s = row_scales[r];
-      const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kRows));
+      const uint4 raw = *reinterpret_cast<const uint4 *>(src + tile_unit_offset(r, j, kTileRows));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t packed[8];
 #pragma unroll
@@ -295,8 +301,8 @@ __device__ __forceinline__ void convert_fp8_tile_row_scaled(uint8_t *dst, const 
       out0 = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       out1 = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }
-    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j, kRows)) = out0;
-    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j + 1, kRows)) = out1;
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j, kTileRows)) = out0;
+    *reinterpret_cast<uint4 *>(dst + tile_unit_offset(r, 2 * j + 1, kTileRows)) = out1;
   }
 }
 

@@ -192,6 +192,38 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
 
 @CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=dtype_name)
+def test_flash_attn_paged_cuda_decode_warp_sync(monkeypatch, loader, page_size, head_dim, cache_dtype):
+    """PAGEDKV_CUDA_DECODE_WARP_SYNC=1 (opt-in: in a decode key split each warp readies its own keys, its
+    FP8 conversion or its masked rows' zeroing, and waits at a warp barrier instead of the block's): decode
+    rows with page tails, a window that hides the head of a tile, split-KV and one split, against the
+    reference and bit for bit the default's output."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    _C.set_cuda_loader(loader)
+    rows = [(1100, 1), (0, 1), (37, 1), (300, 1)]
+    for splits, window in (("auto", -1), ("1", -1), ("1", 23)):
+        if splits == "auto":
+            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
+        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8,
+                    quant_group=head_dim, window_left=window,
+                    seed=("warp sync", loader, page_size, head_dim, str(cache_dtype), splits, window))
+        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_WARP_SYNC", "1")
+        try:
+            warp_ready = attend("cuda", rows, **case)
+        except RuntimeError as e:  # this page size does not fit the TMA loader
+            assert "does not fit" in str(e)
+            return
+        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_WARP_SYNC", "0")
+        assert torch.equal(warp_ready, attend("cuda", rows, **case)), f"splits {splits}, window {window}"
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", ["auto", "1"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
