@@ -148,10 +148,11 @@ def env_switches(env):
 
 
 # other kernel paths timed beside the default (A/B in one run): the generic FP8 tile conversion, and
-# the opt-in warp barrier of the decode key split
+# the opt-in ones of the decode key split (csrc/cuda/README.md)
 OTHER_PATHS = {
     "generic_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "0"},
     "warp_sync": {"PAGEDKV_CUDA_DECODE_WARP_SYNC": "1"},
+    "k_fragments": {"PAGEDKV_CUDA_FP8_K_FRAGMENTS": "1"},
 }
 
 

@@ -81,6 +81,7 @@ struct AttnParams {
   int fp8_scale_ahead; // FP8, one scale per row: load a tile's scales one tile ahead
   int fp8_fast_convert; // with scale_ahead: the statically shaped, hardware-cvt tile conversion
   int warp_sync;       // key split: each warp readies its own keys, no block barrier (B) per tile
+  int fp8_k_fragments; // FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -364,7 +365,11 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // rows ready itself (FP8: the fast conversion of its own rows; 16-bit with TMA: zeroing its own
   // masked rows) the block barrier (B) before the math can be a warp barrier (p.warp_sync). 16-bit
   // cp.async tiles still need (B): other threads' copies land in every warp's rows.
-  const bool warp_ready = key_split && p.warp_sync &&
+  // FP8 K fragments (p.fp8_k_fragments, which implies warp_ready): a warp reads its K's MMA operands from
+  // the raw FP8 tile, two codes per 16-bit load and one hardware cvt per pair, exact and unscaled, and
+  // multiplies each key's scores by that key's scale afterwards; only V is converted (its own rows).
+  const bool k_fragments = kFp8 && key_split && scale_ahead && p.fp8_fast_convert && p.fp8_k_fragments;
+  const bool warp_ready = key_split && (p.warp_sync || k_fragments) &&
                           (kFp8 ? scale_ahead && p.fp8_fast_convert : kLoader != PKV_LOADER_CP_ASYNC);
   constexpr int kOwnRows = kKeySplitFits ? BN / kWarps : BN;
   const int own_row0 = warp * kOwnRows;
@@ -427,14 +432,17 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
       const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
       const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
-      if (warp_ready) {  // this warp's own rows (fp8_fast: scale_ahead holds)
+      if (warp_ready) {  // this warp's own rows (scale_ahead holds); K stays raw with k_fragments
         uint8_t *vconv = sconv + L::kConvTileBytes;
         if (p.e4m3) {
-          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(sconv, kt, rows, k_row_scales, own_row0, lane);
+          if (!k_fragments)
+            convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(sconv, kt, rows, k_row_scales, own_row0,
+                                                                         lane);
           convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(vconv, vt, rows, v_row_scales, own_row0, lane);
         } else {
-          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(sconv, kt, rows, k_row_scales, own_row0,
-                                                                        lane);
+          if (!k_fragments)
+            convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(sconv, kt, rows, k_row_scales, own_row0,
+                                                                          lane);
           convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(vconv, vt, rows, v_row_scales, own_row0,
                                                                         lane);
         }
@@ -489,11 +497,30 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
           uint32_t bf[4];
-          ldmatrix_x4(bf, ks + tile_elem_offset<2>(kcol0 + nt * 8 + (m >> 1) * 8 + (lane & 7), kk * 16 + (m & 1) * 8,
-                                                   BN));
+          if (kFp8 && k_fragments) {
+            // the B operand's registers as ldmatrix would give them: key nt * 8 + lane / 4 (+ 8 for
+            // bf[2], bf[3]), channels kk * 16 + 2 * (lane % 4) and + 1 (+ 8 for bf[1], bf[3])
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+              const int key = kcol0 + (nt + (x >> 1)) * 8 + (lane >> 2), col = kk * 16 + 2 * (lane & 3) + (x & 1) * 8;
+              const uint16_t two = *reinterpret_cast<const uint16_t *>(kt + tile_elem_offset<1>(key, col, BN));
+              const float2 f = p.e4m3 ? fp8x2_to_float2<true>(two) : fp8x2_to_float2<false>(two);
+              bf[x] = pack2<T>(f.x, f.y);
+            }
+          } else {
+            ldmatrix_x4(bf, ks + tile_elem_offset<2>(kcol0 + nt * 8 + (m >> 1) * 8 + (lane & 7),
+                                                     kk * 16 + (m & 1) * 8, BN));
+          }
           mma_16816<T>(s[nt], a, bf[0], bf[1]);
           mma_16816<T>(s[nt + 1], a, bf[2], bf[3]);
         }
+      }
+      if (kFp8 && k_fragments) {  // each key's scale (0 for a masked key, whose score is masked below)
+        const float *k_row_scales = sscale + (it & 1) * 2 * BN;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) s[nt][e] *= k_row_scales[kcol0 + nt * 8 + 2 * (lane & 3) + (e & 1)];
       }
       // scale, softcap, mask (log2 domain)
 #pragma unroll
@@ -801,6 +828,9 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // PAGEDKV_CUDA_DECODE_WARP_SYNC=1 (opt-in; compiled, not yet run on a GPU): warp_sync above
   const char *warp_sync = std::getenv("PAGEDKV_CUDA_DECODE_WARP_SYNC");
   p.warp_sync = warp_sync && warp_sync[0] == '1';
+  // PAGEDKV_CUDA_FP8_K_FRAGMENTS=1 (opt-in; compiled, not yet run on a GPU): k_fragments above
+  const char *k_fragments = std::getenv("PAGEDKV_CUDA_FP8_K_FRAGMENTS");
+  p.fp8_k_fragments = k_fragments && k_fragments[0] == '1';
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {
