@@ -153,6 +153,7 @@ OTHER_PATHS = {
     "generic_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "0"},
     "warp_sync": {"PAGEDKV_CUDA_DECODE_WARP_SYNC": "1"},
     "k_fragments": {"PAGEDKV_CUDA_FP8_K_FRAGMENTS": "1"},
+    "spread_issue": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1"},
 }
 
 

@@ -82,6 +82,7 @@ struct AttnParams {
   int fp8_fast_convert; // with scale_ahead: the statically shaped, hardware-cvt tile conversion
   int warp_sync;       // key split: each warp readies its own keys, no block barrier (B) per tile
   int fp8_k_fragments; // FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
+  int spread_issue;    // tma-pages: each warp's lane 0 issues the boxes of its quarter of a tile's rows
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -308,6 +309,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   constexpr bool kKeySplitFits = BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
   const bool key_split = kKeySplitFits && p.key_split && tile_rows <= 16;
   const int qrow0 = key_split ? 0 : warp * 16;  // first packed row of this warp's 16
+  const bool spread_issue = kLoader == PKV_LOADER_TMA_PAGES && p.spread_issue;  // block-uniform
 
   // ---- per-thread query rows: r0 = qrow0 + lane/4 and r1 = r0 + 8 ----
   int64_t lo_r[2], hi_r[2];
@@ -340,6 +342,18 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       load_tile_cp_async<BN, kAttnThreads>(kt, p.k, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
       load_tile_cp_async<BN, kAttnThreads>(vt, p.v, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
       cp_async_commit();
+    } else if (kLoader == PKV_LOADER_TMA_PAGES && spread_issue) {
+      // each warp's lane 0 arrives (the barrier expects one arrival per warp here) with its own bytes,
+      // then issues its own boxes: a tile's 8-16 TMA operations at page 16 leave tid 0's critical path
+      if (lane == 0) {
+        uint64_t *bar = sbar + (it & 1);
+        const int row0 = warp * (BN / kWarps), row1 = row0 + BN / kWarps;
+        mbar_arrive_expect_tx(bar, 2 * count_tile_pages<BN>(rows, p.box_rows, L::kRawChunks, row0, row1));
+        issue_tile_pages<BN>(kt, kmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs, row0,
+                             row1);
+        issue_tile_pages<BN>(vt, vmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs, row0,
+                             row1);
+      }
     } else if (tid == 0) {
       uint64_t *bar = sbar + (it & 1);
       if constexpr (kLoader == PKV_LOADER_TMA_PAGES) {
@@ -390,8 +404,8 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     if (tid == 0) {
       prefetch_tensor_map(kmap);
       prefetch_tensor_map(vmap);
-      mbar_init(sbar, 1);
-      mbar_init(sbar + 1, 1);
+      mbar_init(sbar, spread_issue ? kWarps : 1);
+      mbar_init(sbar + 1, spread_issue ? kWarps : 1);
       fence_mbar_init();
     }
   }
@@ -831,6 +845,9 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // PAGEDKV_CUDA_FP8_K_FRAGMENTS=1 (opt-in; compiled, not yet run on a GPU): k_fragments above
   const char *k_fragments = std::getenv("PAGEDKV_CUDA_FP8_K_FRAGMENTS");
   p.fp8_k_fragments = k_fragments && k_fragments[0] == '1';
+  // PAGEDKV_CUDA_SPREAD_ISSUE=1 (opt-in; compiled, not yet run on a GPU): spread_issue above
+  const char *spread_issue = std::getenv("PAGEDKV_CUDA_SPREAD_ISSUE");
+  p.spread_issue = spread_issue && spread_issue[0] == '1';
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

@@ -163,19 +163,26 @@ __device__ __forceinline__ bool tile_box(const TileRows *rows, int s, int box_ro
     }
   return false;
 }
+// Both take the boxes that start in rows [row0, row1) (the whole tile by default; a quarter when each
+// warp issues its own).
+__device__ __forceinline__ int first_box_row(int row0, int box_rows) {
+  return (row0 + box_rows - 1) / box_rows * box_rows;
+}
 template <int kRows>
-__device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks) {
+__device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks, int row0 = 0,
+                                                     int row1 = kRows) {
   uint32_t bytes = 0;
   TileRows box;
-  for (int s = 0; s < kRows; s += box_rows)
+  for (int s = first_box_row(row0, box_rows); s < row1; s += box_rows)
     if (tile_box(rows, s, box_rows, &box)) bytes += static_cast<uint32_t>(chunks * box_rows * kChunkBytes);
   return bytes;
 }
 template <int kRows>
 __device__ __forceinline__ void issue_tile_pages(uint8_t *tile, const CUtensorMap *map, uint64_t *bar,
-                                                 const TileRows *rows, int head, int box_rows, int chunks, int es) {
+                                                 const TileRows *rows, int head, int box_rows, int chunks, int es,
+                                                 int row0 = 0, int row1 = kRows) {
   const int cols_per_chunk = kChunkBytes / es;
-  for (int s = 0; s < kRows; s += box_rows) {
+  for (int s = first_box_row(row0, box_rows); s < row1; s += box_rows) {
     TileRows tr;
     if (!tile_box(rows, s, box_rows, &tr)) continue;
     for (int c = 0; c < chunks; c++)

@@ -254,6 +254,33 @@ def test_flash_attn_paged_cuda_fp8_k_fragments(monkeypatch, loader, page_size, h
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_spread_issue(monkeypatch, page_size, head_dim, cache_dtype):
+    """PAGEDKV_CUDA_SPREAD_ISSUE=1 (opt-in, tma-pages: each warp's lane 0 arrives on the tile's barrier with
+    its own bytes and issues the boxes that start in its quarter of the tile's rows, instead of tid 0 issuing
+    them all): decode rows (the key split) and a prefill chunk over many tiles in one split, with and without
+    a window that hides the head of a tile, bit for bit the default's output, and the reference."""
+    if 1 not in available_loaders():
+        pytest.skip("tma-pages is not available on this device")
+    _C.set_cuda_loader(1)
+    monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", "1")
+    rows = [(1100, 1), (300, 70), (777, 1), (20, 3)]
+    for window in (-1, 23):
+        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8, window_left=window,
+                    seed=("spread issue", page_size, head_dim, str(cache_dtype), window))
+        monkeypatch.setenv("PAGEDKV_CUDA_SPREAD_ISSUE", "1")
+        try:
+            spread = attend("cuda", rows, **case)
+        except RuntimeError as e:  # this page size does not fit the TMA loader
+            assert "does not fit" in str(e)
+            return
+        monkeypatch.setenv("PAGEDKV_CUDA_SPREAD_ISSUE", "0")
+        assert torch.equal(spread, attend("cuda", rows, **case)), f"window {window}"
+
+
+@CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", ["auto", "1"])
