@@ -154,6 +154,8 @@ OTHER_PATHS = {
     "warp_sync": {"PAGEDKV_CUDA_DECODE_WARP_SYNC": "1"},
     "k_fragments": {"PAGEDKV_CUDA_FP8_K_FRAGMENTS": "1"},
     "spread_issue": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1"},
+    "rows_ahead": {"PAGEDKV_CUDA_ROWS_AHEAD": "1"},
+    "spread_rows_ahead": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1", "PAGEDKV_CUDA_ROWS_AHEAD": "1"},
 }
 
 

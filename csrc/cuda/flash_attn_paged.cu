@@ -83,6 +83,7 @@ struct AttnParams {
   int warp_sync;       // key split: each warp readies its own keys, no block barrier (B) per tile
   int fp8_k_fragments; // FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
   int spread_issue;    // tma-pages: each warp's lane 0 issues the boxes of its quarter of a tile's rows
+  int rows_ahead;      // a tile's page-table entries read a tile early, keys followed without divisions
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator
@@ -335,6 +336,37 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     return fill_tile_row(srows + (it % 3) * BN, tid, (my_begin + it) * BN, lo_tile, total, p.table, b, page_size,
                          num_pages);
   };
+  // Rows ahead (p.rows_ahead): fill_rows reads the page table and divides 64-bit keys inside the block
+  // barrier (A), so every tile waits on a global load there. Instead thread t < BN follows its key from
+  // tile to tile with a cursor (page-table column and slot advance by BN / P and BN % P: one division
+  // per CTA) and loads the next tile's entry into a register right after (A), a whole tile before (A)
+  // publishes it. The same rows as fill_tile_row. Not for D 256, whose FP8 kernels would spill.
+  const bool rows_ahead = D <= 128 && p.rows_ahead != 0;
+  int64_t ahead_key = 0;
+  int32_t ahead_col = 0, ahead_slot = 0, ahead_id = -1;  // a table column and a slot fit 32 bits
+  const int32_t col_step = static_cast<int32_t>(BN / page_size), slot_step = static_cast<int32_t>(BN % page_size);
+  auto ahead_load = [&]() {
+    ahead_id = tid < BN && ahead_key < total ? pkv_index_at2(&p.table, b, ahead_col) : -1;
+  };
+  auto ahead_next = [&]() {
+    ahead_key += BN;
+    ahead_col += col_step;
+    ahead_slot += slot_step;
+    if (ahead_slot >= page_size) {
+      ahead_slot -= page_size;
+      ahead_col++;
+    }
+  };
+  auto ahead_store = [&](int it) -> int {  // tile it's rows from the register (ahead_key is its key)
+    if (tid >= BN) return 0;
+    int32_t page = -1, slot = 0;
+    if (ahead_key < total && ahead_id >= 0 && ahead_id < num_pages) {
+      page = ahead_key < lo_tile ? hidden_page(ahead_id) : ahead_id;
+      slot = ahead_slot;
+    }
+    srows[(it % 3) * BN + tid] = TileRows{page, slot};
+    return page < 0;
+  };
   auto issue = [&](int it) {
     uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
     const TileRows *rows = srows + (it % 3) * BN;
@@ -415,6 +447,12 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     masked_next = __syncthreads_count(fill_rows(0));
     issue(0);
     load_scales(0);
+    if (rows_ahead && n_tiles > 1) {  // the cursor at tile 1
+      ahead_key = (my_begin + 1) * BN + tid;
+      ahead_col = static_cast<int32_t>(ahead_key / page_size);
+      ahead_slot = static_cast<int32_t>(ahead_key % page_size);
+      ahead_load();
+    }
   }
   for (int it = 0; it < n_tiles; it++) {
     const int masked_here = masked_next;
@@ -425,10 +463,14 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     }
     // (A): the next tile's rows are published and every thread is done with
     // the stage, tile rows and converted tiles that the next loads overwrite.
-    masked_next = __syncthreads_count(has_next ? fill_rows(it + 1) : 0);
+    masked_next = __syncthreads_count(has_next ? (rows_ahead ? ahead_store(it + 1) : fill_rows(it + 1)) : 0);
     if (has_next) {
       issue(it + 1);
       load_scales(it + 1);
+    }
+    if (rows_ahead && it + 2 < n_tiles) {  // tile it + 2's entries, in flight during this tile's math
+      ahead_next();
+      ahead_load();
     }
 
     const TileRows *rows = srows + (it % 3) * BN;
@@ -848,6 +890,9 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // PAGEDKV_CUDA_SPREAD_ISSUE=1 (opt-in; compiled, not yet run on a GPU): spread_issue above
   const char *spread_issue = std::getenv("PAGEDKV_CUDA_SPREAD_ISSUE");
   p.spread_issue = spread_issue && spread_issue[0] == '1';
+  // PAGEDKV_CUDA_ROWS_AHEAD=1 (opt-in; compiled, not yet run on a GPU): rows_ahead above
+  const char *rows_ahead = std::getenv("PAGEDKV_CUDA_ROWS_AHEAD");
+  p.rows_ahead = rows_ahead && rows_ahead[0] == '1';
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {

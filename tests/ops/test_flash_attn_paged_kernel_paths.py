@@ -282,6 +282,37 @@ def test_flash_attn_paged_cuda_spread_issue(monkeypatch, page_size, head_dim, ca
 
 @CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64, 100])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_dim, cache_dtype):
+    """PAGEDKV_CUDA_ROWS_AHEAD=1 (opt-in: each tile's page-table entries read a tile early into registers and
+    the keys followed from tile to tile without divisions, page sizes that divide the 64-key tile and ones
+    that do not): decode and prefill rows over many tiles in one split and split-KV, a window that hides the
+    head of a tile, rows that end inside a page: bit for bit the default's output, and the reference."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    _C.set_cuda_loader(loader)
+    rows = [(1100, 1), (300, 70), (0, 1), (777, 1), (20, 3)]
+    for splits, window in (("1", -1), ("1", 23), ("auto", -1)):
+        if splits == "auto":
+            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
+        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8, window_left=window,
+                    seed=("rows ahead", loader, page_size, head_dim, str(cache_dtype), splits, window))
+        monkeypatch.setenv("PAGEDKV_CUDA_ROWS_AHEAD", "1")
+        try:
+            ahead = attend("cuda", rows, **case)
+        except RuntimeError as e:  # this page size does not fit the TMA loader
+            assert "does not fit" in str(e)
+            return
+        monkeypatch.setenv("PAGEDKV_CUDA_ROWS_AHEAD", "0")
+        assert torch.equal(ahead, attend("cuda", rows, **case)), f"splits {splits}, window {window}"
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", ["auto", "1"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
