@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_ab.sh DIR_A DIR_B [rounds, default 2]
 #
 # Each DIR holds what benchmarks/gpu_prebuild.sh leaves in .gpu_prebuilt/ (the extension, gzipped or not,
-# and _build_config.py); carry both in the device call. Each run's table lands in $OUT/ab_<A|B>_<round>.md
-# and its printed rows in $OUT/ab.txt.
+# and _build_config.py); carry both in the device call. The printed rows land in $OUT/ab.txt, each run's
+# bench_gpu.json in $OUT/ab_runs.tar.gz (two files: the device tool brings back at most 8).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -36,6 +36,6 @@ for r in $(seq 1 "$ROUNDS"); do
     mkdir -p "/tmp/ab_$side$r"
     python3 benchmarks/bench_gpu.py --issue22 --reps 50 --out "/tmp/ab_$side$r" 2>&1 | grep -v '^ \|^{\|^}' |
       tee -a "$OUT/ab.txt"
-    cp "/tmp/ab_$side$r/bench_gpu.md" "$OUT/ab_${side}_$r.md"
   done
 done
+tar -czf "$OUT/ab_runs.tar.gz" -C /tmp $(cd /tmp && ls -d ab_A* ab_B*)

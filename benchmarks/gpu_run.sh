@@ -69,15 +69,19 @@ cuda_import_ok() {
     >>"$OUT/gpu_run.log" 2>&1
 }
 
-use_prebuilt() {
+use_prebuilt() {  # the extension as gpu_prebuild.sh leaves it (gzipped; a plain .so is taken too)
   local so
-  so=$(ls .gpu_prebuilt/_C.cpython-*.so 2>/dev/null | head -1)
+  so=$(ls .gpu_prebuilt/_C.cpython-*.so* 2>/dev/null | head -1)
   [ -n "$so" ] && [ -f .gpu_prebuilt/_build_config.py ] || return 1
   grep -q "TORCH_VERSION = '$($PY -c 'import torch; print(torch.__version__)')'" .gpu_prebuilt/_build_config.py || {
     log "prebuilt extension is for another torch: $(grep TORCH_VERSION .gpu_prebuilt/_build_config.py)"
     return 1
   }
-  cp "$so" .gpu_prebuilt/_build_config.py python/pagedkv/
+  case "$so" in
+  *.gz) gunzip -c "$so" >"python/pagedkv/$(basename "${so%.gz}")" ;;
+  *) cp "$so" python/pagedkv/ ;;
+  esac
+  cp .gpu_prebuilt/_build_config.py python/pagedkv/
   cuda_import_ok || { log "prebuilt extension did not import with CUDA"; return 1; }
   log "build: prebuilt $(basename "$so") ($(cat .gpu_prebuilt/commit 2>/dev/null))"
   PAGEDKV_BENCH_COMMIT="$(cat .gpu_prebuilt/commit 2>/dev/null)" && export PAGEDKV_BENCH_COMMIT
