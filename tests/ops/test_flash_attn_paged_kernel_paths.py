@@ -190,6 +190,28 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
     assert torch.equal(fast, default)
 
 
+def attend_switched(monkeypatch, switch, rows, splits_windows, bit_exact=True, **case):
+    """For each (splits, window) of splits_windows (splits "auto": the plan's own count): attend on CUDA with
+    the environment switch `switch` on, against the reference, and with bit_exact also with it off, requiring
+    the same output bit for bit. Stops early (the forced loader does not fit the page size) on "does not fit"."""
+    for splits, window in splits_windows:
+        if splits == "auto":
+            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
+        seed = (switch, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
+        monkeypatch.setenv(switch, "1")
+        try:
+            on = attend("cuda", rows, window_left=window, seed=seed, **case)
+        except RuntimeError as e:  # this page size does not fit the TMA loader
+            assert "does not fit" in str(e)
+            return
+        if bit_exact:
+            monkeypatch.setenv(switch, "0")
+            off = attend("cuda", rows, window_left=window, seed=seed, **case)
+            assert torch.equal(on, off), f"{switch}: splits {splits}, window {window}"
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -203,23 +225,9 @@ def test_flash_attn_paged_cuda_decode_warp_sync(monkeypatch, loader, page_size, 
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
-    rows = [(1100, 1), (0, 1), (37, 1), (300, 1)]
-    for splits, window in (("auto", -1), ("1", -1), ("1", 23)):
-        if splits == "auto":
-            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
-        else:
-            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8,
-                    quant_group=head_dim, window_left=window,
-                    seed=("warp sync", loader, page_size, head_dim, str(cache_dtype), splits, window))
-        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_WARP_SYNC", "1")
-        try:
-            warp_ready = attend("cuda", rows, **case)
-        except RuntimeError as e:  # this page size does not fit the TMA loader
-            assert "does not fit" in str(e)
-            return
-        monkeypatch.setenv("PAGEDKV_CUDA_DECODE_WARP_SYNC", "0")
-        assert torch.equal(warp_ready, attend("cuda", rows, **case)), f"splits {splits}, window {window}"
+    attend_switched(monkeypatch, "PAGEDKV_CUDA_DECODE_WARP_SYNC", [(1100, 1), (0, 1), (37, 1), (300, 1)],
+                    (("auto", -1), ("1", -1), ("1", 23)), page_size=page_size, head_dim=head_dim,
+                    cache_dtype=cache_dtype, q_heads=8, quant_group=head_dim)
 
 
 @CUDA_ONLY
@@ -237,20 +245,9 @@ def test_flash_attn_paged_cuda_fp8_k_fragments(monkeypatch, loader, page_size, h
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
-    monkeypatch.setenv("PAGEDKV_CUDA_FP8_K_FRAGMENTS", "1")
-    rows = [(1100, 1), (0, 1), (37, 1), (300, 1)]
-    for splits, window in (("auto", -1), ("1", -1), ("1", 23)):
-        if splits == "auto":
-            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
-        else:
-            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-        try:
-            attend("cuda", rows, page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype,
-                   q_heads=8, quant_group=head_dim, q_scale=3.0, window_left=window,
-                   seed=("k fragments", loader, page_size, head_dim, str(q_dtype), str(cache_dtype), splits, window))
-        except RuntimeError as e:  # this page size does not fit the TMA loader
-            assert "does not fit" in str(e)
-            return
+    attend_switched(monkeypatch, "PAGEDKV_CUDA_FP8_K_FRAGMENTS", [(1100, 1), (0, 1), (37, 1), (300, 1)],
+                    (("auto", -1), ("1", -1), ("1", 23)), bit_exact=False, page_size=page_size, head_dim=head_dim,
+                    cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8, quant_group=head_dim, q_scale=3.0)
 
 
 @CUDA_ONLY
@@ -265,19 +262,9 @@ def test_flash_attn_paged_cuda_spread_issue(monkeypatch, page_size, head_dim, ca
     if 1 not in available_loaders():
         pytest.skip("tma-pages is not available on this device")
     _C.set_cuda_loader(1)
-    monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", "1")
-    rows = [(1100, 1), (300, 70), (777, 1), (20, 3)]
-    for window in (-1, 23):
-        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8, window_left=window,
-                    seed=("spread issue", page_size, head_dim, str(cache_dtype), window))
-        monkeypatch.setenv("PAGEDKV_CUDA_SPREAD_ISSUE", "1")
-        try:
-            spread = attend("cuda", rows, **case)
-        except RuntimeError as e:  # this page size does not fit the TMA loader
-            assert "does not fit" in str(e)
-            return
-        monkeypatch.setenv("PAGEDKV_CUDA_SPREAD_ISSUE", "0")
-        assert torch.equal(spread, attend("cuda", rows, **case)), f"window {window}"
+    attend_switched(monkeypatch, "PAGEDKV_CUDA_SPREAD_ISSUE", [(1100, 1), (300, 70), (777, 1), (20, 3)],
+                    (("1", -1), ("1", 23)), page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype,
+                    q_heads=8)
 
 
 @CUDA_ONLY
@@ -293,22 +280,9 @@ def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_d
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
-    rows = [(1100, 1), (300, 70), (0, 1), (777, 1), (20, 3)]
-    for splits, window in (("1", -1), ("1", 23), ("auto", -1)):
-        if splits == "auto":
-            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
-        else:
-            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-        case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8, window_left=window,
-                    seed=("rows ahead", loader, page_size, head_dim, str(cache_dtype), splits, window))
-        monkeypatch.setenv("PAGEDKV_CUDA_ROWS_AHEAD", "1")
-        try:
-            ahead = attend("cuda", rows, **case)
-        except RuntimeError as e:  # this page size does not fit the TMA loader
-            assert "does not fit" in str(e)
-            return
-        monkeypatch.setenv("PAGEDKV_CUDA_ROWS_AHEAD", "0")
-        assert torch.equal(ahead, attend("cuda", rows, **case)), f"splits {splits}, window {window}"
+    attend_switched(monkeypatch, "PAGEDKV_CUDA_ROWS_AHEAD", [(1100, 1), (300, 70), (0, 1), (777, 1), (20, 3)],
+                    (("1", -1), ("1", 23), ("auto", -1)), page_size=page_size, head_dim=head_dim,
+                    cache_dtype=cache_dtype, q_heads=8)
 
 
 @CUDA_ONLY
