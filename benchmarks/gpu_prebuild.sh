@@ -28,7 +28,10 @@ if [ -n "${GPU_COMMIT:-}" ]; then
   COMMIT=$(git -C "$ROOT" rev-parse --short "$GPU_COMMIT")
   SRC=${GPU_SRC:-/tmp/pagedkv-gpu-src-$COMMIT}
   TREE=/tmp/pagedkv-gpu-tree-$COMMIT  # the commit's files, from a worktree of this repository
-  [ -d "$TREE" ] || git -C "$ROOT" worktree add --detach "$TREE" "$COMMIT" >/dev/null
+  if [ ! -d "$TREE" ]; then
+    git -C "$ROOT" worktree prune  # an entry whose folder /tmp lost
+    git -C "$ROOT" worktree add --detach "$TREE" "$COMMIT" >/dev/null
+  fi
   STAMP=$COMMIT
 else
   SRC=${GPU_SRC:-/tmp/pagedkv-gpu-src}
