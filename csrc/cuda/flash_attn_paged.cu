@@ -359,13 +359,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   };
   auto ahead_store = [&](int it) -> int {  // tile it's rows from the register (ahead_key is its key)
     if (tid >= BN) return 0;
-    int32_t page = -1, slot = 0;
-    if (ahead_key < total && ahead_id >= 0 && ahead_id < num_pages) {
-      page = ahead_key < lo_tile ? hidden_page(ahead_id) : ahead_id;
-      slot = ahead_slot;
-    }
-    srows[(it % 3) * BN + tid] = TileRows{page, slot};
-    return page < 0;
+    return set_tile_row(srows + (it % 3) * BN, tid, ahead_key, ahead_id, ahead_slot, lo_tile, total, num_pages);
   };
   auto issue = [&](int it) {
     uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
@@ -484,33 +478,32 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       mbar_wait(sbar + (it & 1), (it >> 1) & 1);
     }
     const uint8_t *ks = kt, *vs = vt;
+    // FP8 with one scale per row: tile it's K and V scales, staged by load_scales
+    const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
+    const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
     if constexpr (kFp8) {
       if constexpr (kLoader == PKV_LOADER_CP_ASYNC) __syncthreads();  // other threads' copies
-      const float *k_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN : nullptr;
-      const float *v_row_scales = scale_ahead ? sscale + (it & 1) * 2 * BN + BN : nullptr;
-      if (warp_ready) {  // this warp's own rows (scale_ahead holds); K stays raw with k_fragments
-        uint8_t *vconv = sconv + L::kConvTileBytes;
-        if (p.e4m3) {
+      // the fast conversion of rows [row0, row0 + kConvRows) by kConvThreads threads numbered `thread`
+      // (K stays raw with k_fragments), in the FP8 format's compile-time instance
+      auto convert_rows = [&](auto rows_tag, auto threads_tag, int row0, int thread) {
+        constexpr int kConvRows = decltype(rows_tag)::value, kConvThreads = decltype(threads_tag)::value;
+        auto both = [&](auto e4m3_tag) {
+          constexpr bool kE4m3 = decltype(e4m3_tag)::value != 0;
           if (!k_fragments)
-            convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(sconv, kt, rows, k_row_scales, own_row0,
-                                                                         lane);
-          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, true, BN>(vconv, vt, rows, v_row_scales, own_row0, lane);
-        } else {
-          if (!k_fragments)
-            convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(sconv, kt, rows, k_row_scales, own_row0,
-                                                                          lane);
-          convert_fp8_tile_row_scaled<T, kOwnRows, kWarp, D, false, BN>(vconv, vt, rows, v_row_scales, own_row0,
-                                                                        lane);
-        }
+            convert_fp8_tile_row_scaled<T, kConvRows, kConvThreads, D, kE4m3, BN>(sconv, kt, rows, k_row_scales,
+                                                                                  row0, thread);
+          convert_fp8_tile_row_scaled<T, kConvRows, kConvThreads, D, kE4m3, BN>(sconv + L::kConvTileBytes, vt, rows,
+                                                                                v_row_scales, row0, thread);
+        };
+        if (p.e4m3)
+          both(IntTag<1>{});
+        else
+          both(IntTag<0>{});
+      };
+      if (warp_ready) {  // this warp's own rows (scale_ahead holds)
+        convert_rows(IntTag<kOwnRows>{}, IntTag<kWarp>{}, own_row0, lane);
       } else if (scale_ahead && p.fp8_fast_convert) {
-        uint8_t *vconv = sconv + L::kConvTileBytes;
-        if (p.e4m3) {
-          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, true>(sconv, kt, rows, k_row_scales);
-          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, true>(vconv, vt, rows, v_row_scales);
-        } else {
-          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, false>(sconv, kt, rows, k_row_scales);
-          convert_fp8_tile_row_scaled<T, BN, kAttnThreads, D, false>(vconv, vt, rows, v_row_scales);
-        }
+        convert_rows(IntTag<BN>{}, IntTag<kAttnThreads>{}, 0, tid);
       } else {
         convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3,
                                               k_row_scales);
@@ -572,7 +565,6 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         }
       }
       if (kFp8 && k_fragments) {  // each key's scale (0 for a masked key, whose score is masked below)
-        const float *k_row_scales = sscale + (it & 1) * 2 * BN;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll

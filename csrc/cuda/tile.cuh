@@ -86,23 +86,27 @@ struct TileRows {
 // starts on such a key can still load the visible keys after it in the same page.
 __device__ __forceinline__ int32_t hidden_page(int32_t page) { return -2 - page; }
 
-// Thread t < rows fills entry t for key k0 + t; keys outside [first_key, num_keys) are masked.
-// Returns 1 when masked.
+// Entry t of a tile for `key`, whose table entry `id` (read only when key < num_keys) and `slot` the
+// caller found; keys outside [first_key, num_keys) and ids outside [0, num_pages) are masked. Returns 1
+// when masked.
+__device__ __forceinline__ int set_tile_row(TileRows *rows, int t, int64_t key, int32_t id, int32_t slot,
+                                            int64_t first_key, int64_t num_keys, int64_t num_pages) {
+  int32_t page = -1;
+  if (key < num_keys && id >= 0 && id < num_pages)
+    page = key < first_key ? hidden_page(id) : id;
+  rows[t].page = page;
+  rows[t].slot = page == -1 ? 0 : slot;
+  return page < 0;
+}
+
+// Thread t < rows fills entry t for key k0 + t (set_tile_row). Returns 1 when masked.
 __device__ __forceinline__ int fill_tile_row(TileRows *rows, int t, int64_t k0, int64_t first_key,
                                              int64_t num_keys, const pkv_index_view &table, int64_t batch,
                                              int64_t page_size, int64_t num_pages) {
   const int64_t key = k0 + t;
-  int32_t page = -1, slot = 0;
-  if (key < num_keys) {
-    const int32_t id = pkv_page_of(&table, batch, key, page_size);
-    if (id >= 0 && id < num_pages) {
-      page = key < first_key ? hidden_page(id) : id;
-      slot = static_cast<int32_t>(pkv_slot_of(key, page_size));
-    }
-  }
-  rows[t].page = page;
-  rows[t].slot = slot;
-  return page < 0;
+  if (key >= num_keys) return set_tile_row(rows, t, key, -1, 0, first_key, num_keys, num_pages);
+  return set_tile_row(rows, t, key, pkv_page_of(&table, batch, key, page_size),
+                      static_cast<int32_t>(pkv_slot_of(key, page_size)), first_key, num_keys, num_pages);
 }
 
 // ---- loader 1: cp.async, any page size, any arch >= sm_80 ----
@@ -148,7 +152,8 @@ __device__ __forceinline__ void load_tile_cp_async(uint8_t *tile, const pkv_cach
 // this loader when P % kRows == 0 or kRows % P == 0, with box_rows % 8 == 0
 // so each box starts 1024-byte aligned). Boxes of masked pages are skipped;
 // rows past the keys inside a loaded box are zeroed later (zero_masked_rows).
-// Called by one thread; returns the bytes it asked the barrier to expect.
+// count_tile_pages gives the bytes the issuing thread asks the barrier to expect.
+//
 // The box of rows s .. s + box_rows - 1, or false when it holds no visible row. A box whose first
 // rows are hidden (before every window, page <= -2) but which has a visible row after them is
 // loaded whole from its first row's page; the hidden rows are zeroed afterwards.
