@@ -388,11 +388,11 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
   if (!mem) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for attention scratch");
   const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
   pkv_dtype kdt = a->k_cache.dtype;
-  /* bf16 dot products are exact only when q and the (raw) keys are bf16 values: FP8 keys with one scale
-   * per row, or per group of a multiple of 32 channels where the dot decode scales each group's products
-   * (attn_item drops use_dot for such keys on every other path) */
+  /* bf16 dot products are exact only when q and the (raw) keys are bf16 values: FP8 keys under the dot
+   * decode's rule for scale groups, the one dot_decode_ok applies (attn_item drops use_dot for grouped
+   * keys on every other path) */
   int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
-                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && (a->quant_group >= d || a->quant_group % 32 == 0)));
+                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(d, a->quant_group)));
   split_state *st = (split_state *)plan->splits;
   pkv_item_queue queue = {plan->items, claims, begin, end, -1};
   for (int64_t i = queue_next(&queue); i < end; i = queue_next(&queue)) {

@@ -37,6 +37,13 @@ PKV_HD int64_t pkv_cpu_pad(int64_t n) { return (n + PKV_CPU_MAX_LANES - 1) / PKV
  * words of the halves of every 32-element chunk, then chunk 0's 16 again. */
 PKV_HD int64_t pkv_cpu_pair_q_words(int64_t d) { return pkv_cpu_pad((d + 1) / 2) + 16; }
 
+/* 1 when FP8 rows of `row` channels with one scale per `group` take exact bf16 dot products: one scale
+ * per row (folded into the scores or the probabilities), or per group of a multiple of 32 channels
+ * (each group's products summed apart: decode_dot.inc's dot_qk_fp8_groups and dot_pv_fp8_groups). */
+PKV_HD int pkv_cpu_fp8_dot_groups_ok(int64_t row, int64_t group) {
+  return group >= row || (group > 0 && group % 32 == 0);
+}
+
 /* Query-vector arrays (q, qw, s, acc, pb, m, l) hold nqa = nq rounded up to
  * 32 rows, so the AMX path can pad its tiles with zero rows.
  * Per-thread attention scratch, allocated once per work range (never in the
