@@ -83,8 +83,9 @@ struct TileRows {
 // A key before the window of every query row of the tile is masked like any other (zeroed, never
 // in a score), because its page may be recycled and hold anything, NaN included, and 0 * NaN in
 // the P V product would poison the rows. It keeps its page as -2 - page, so that a TMA box which
-// starts on such a key can still load the visible keys after it in the same page.
-__device__ __forceinline__ int32_t hidden_page(int32_t page) { return -2 - page; }
+// starts on such a key can still load the visible keys after it in the same page. Page 2^31 - 1 (a pool
+// of 2^31 pages: cp.async only, the TMA loaders refuse such pools) has no such code: it is masked as -1.
+__device__ __forceinline__ int32_t hidden_page(int32_t page) { return page < 0x7fffffff ? -2 - page : -1; }
 
 // Entry t of a tile for `key`, whose table entry `id` (read only when key < num_keys) and `slot` the
 // caller found; keys outside [first_key, num_keys) and ids outside [0, num_pages) are masked. Returns 1

@@ -190,26 +190,49 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
     assert torch.equal(fast, default)
 
 
-def attend_switched(monkeypatch, switch, rows, splits_windows, bit_exact=True, **case):
+OPT_IN_SWITCHES = ("PAGEDKV_CUDA_DECODE_WARP_SYNC", "PAGEDKV_CUDA_FP8_K_FRAGMENTS", "PAGEDKV_CUDA_SPREAD_ISSUE",
+                   "PAGEDKV_CUDA_ROWS_AHEAD")
+# the CUDA settings the opt-in paths depend on, at their defaults (an outer environment may have turned one off)
+PATH_SETTINGS = ("PAGEDKV_CUDA_KEY_SPLIT", "PAGEDKV_CUDA_FP8_SCALE_AHEAD", "PAGEDKV_CUDA_FP8_FAST_CONVERT")
+
+
+def set_switches(monkeypatch, on):
+    """Every opt-in switch off except those in `on`; the settings they depend on at their defaults."""
+    for name in PATH_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    for name in OPT_IN_SWITCHES:
+        monkeypatch.setenv(name, "1" if name in on else "0")
+
+
+def attend_switched(monkeypatch, switches, rows, splits_windows, expect="same", **case):
     """For each (splits, window) of splits_windows (splits "auto": the plan's own count): attend on CUDA with
-    the environment switch `switch` on, against the reference, and with bit_exact also with it off, requiring
-    the same output bit for bit. Stops early (the forced loader does not fit the page size) on "does not fit"."""
+    the environment switches `switches` (a name or a tuple of names) on, against the reference, and with
+    them off: expect "same" requires the same output bit for bit, "different" a different output in at
+    least one case (a path that rounds otherwise must have run), None only the reference. Skips where the
+    forced loader does not fit the page size."""
+    switches = (switches,) if isinstance(switches, str) else tuple(switches)
+    differs = False
     for splits, window in splits_windows:
         if splits == "auto":
             monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
         else:
             monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-        seed = (switch, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
-        monkeypatch.setenv(switch, "1")
+        seed = (*switches, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
+        set_switches(monkeypatch, switches)
         try:
             on = attend("cuda", rows, window_left=window, seed=seed, **case)
         except RuntimeError as e:  # this page size does not fit the TMA loader
             assert "does not fit" in str(e)
-            return
-        if bit_exact:
-            monkeypatch.setenv(switch, "0")
-            off = attend("cuda", rows, window_left=window, seed=seed, **case)
-            assert torch.equal(on, off), f"{switch}: splits {splits}, window {window}"
+            pytest.skip("the forced loader does not fit this page size")
+        if expect is None:
+            continue
+        set_switches(monkeypatch, ())
+        off = attend("cuda", rows, window_left=window, seed=seed, **case)
+        if expect == "same":
+            assert torch.equal(on, off), f"{switches}: splits {splits}, window {window}"
+        differs = differs or not torch.equal(on, off)
+    if expect == "different":
+        assert differs, f"{switches} gave the default's output bit for bit in every case: did its path run?"
 
 
 @CUDA_ONLY
@@ -241,13 +264,14 @@ def test_flash_attn_paged_cuda_fp8_k_fragments(monkeypatch, loader, page_size, h
     raw FP8 tile, unscaled, and multiplies each key's scores by its scale; only V is converted): decode rows
     with page tails, a window that hides the head of a tile, split-KV and one split, sharp softmaxes
     (queries x 3), against the reference. Not bit for bit the default: K is rounded to 16 bits before its
-    scale there, not here."""
+    scale there, not here, so it must differ from the default somewhere (else the path did not run)."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     attend_switched(monkeypatch, "PAGEDKV_CUDA_FP8_K_FRAGMENTS", [(1100, 1), (0, 1), (37, 1), (300, 1)],
-                    (("auto", -1), ("1", -1), ("1", 23)), bit_exact=False, page_size=page_size, head_dim=head_dim,
-                    cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8, quant_group=head_dim, q_scale=3.0)
+                    (("auto", -1), ("1", -1), ("1", 23)), expect="different", page_size=page_size,
+                    head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8, quant_group=head_dim,
+                    q_scale=3.0)
 
 
 @CUDA_ONLY
@@ -275,14 +299,34 @@ def test_flash_attn_paged_cuda_spread_issue(monkeypatch, page_size, head_dim, ca
 def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_dim, cache_dtype):
     """PAGEDKV_CUDA_ROWS_AHEAD=1 (opt-in: each tile's page-table entries read a tile early into registers and
     the keys followed from tile to tile without divisions, page sizes that divide the 64-key tile and ones
-    that do not): decode and prefill rows over many tiles in one split and split-KV, a window that hides the
-    head of a tile, rows that end inside a page: bit for bit the default's output, and the reference."""
+    that do not): decode and prefill rows over many tiles in one split and split-KV (3 splits: several tiles
+    in splits that start past the row's first tile), windows that hide the head of a tile or of a split,
+    rows that end inside a page: bit for bit the default's output, and the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     attend_switched(monkeypatch, "PAGEDKV_CUDA_ROWS_AHEAD", [(1100, 1), (300, 70), (0, 1), (777, 1), (20, 3)],
-                    (("1", -1), ("1", 23), ("auto", -1)), page_size=page_size, head_dim=head_dim,
-                    cache_dtype=cache_dtype, q_heads=8)
+                    (("1", -1), ("1", 23), ("auto", -1), ("3", -1), ("3", 200)), page_size=page_size,
+                    head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_flash_attn_paged_cuda_opt_in_paths_together(monkeypatch, loader, page_size, head_dim, cache_dtype):
+    """The opt-in paths that keep the default's arithmetic (warp barrier, spread TMA issue, rows ahead) all on
+    at once, as they would be made defaults together: bit for bit the default's output; then with the FP8 K
+    fragments as well, against the reference. Decode and prefill rows, split-KV and one split, a window."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    _C.set_cuda_loader(loader)
+    rows, case = [(1100, 1), (300, 70), (0, 1), (37, 1)], dict(page_size=page_size, head_dim=head_dim,
+                                                               cache_dtype=cache_dtype, q_heads=8)
+    splits_windows = (("auto", -1), ("1", -1), ("3", 23))
+    attend_switched(monkeypatch, OPT_IN_SWITCHES[:1] + OPT_IN_SWITCHES[2:], rows, splits_windows, **case)
+    attend_switched(monkeypatch, OPT_IN_SWITCHES, rows, splits_windows, expect=None, **case)
 
 
 @CUDA_ONLY
@@ -290,14 +334,17 @@ def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_d
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", ["auto", "1"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_nan_before_every_window(monkeypatch, loader, page_size, splits, cache_dtype):
+@pytest.mark.parametrize("switch", [None, *OPT_IN_SWITCHES, "all"], ids=lambda s: str(s).replace("PAGEDKV_CUDA_", ""))
+def test_flash_attn_paged_cuda_nan_before_every_window(monkeypatch, loader, page_size, splits, cache_dtype, switch):
     """Sliding window, with NaN keys, values and scales in every slot that no query of its row can see
     (a recycled page), whole pages and the head of a page: the kernels mask keys before a tile's first
     window key like keys past the end (zeroed, never scored), so no 0 * NaN reaches P V, and a TMA box
     that starts on such a key still loads the visible keys after it. Each loader, with and without
-    split-KV; finite output equal to the reference."""
+    split-KV, the default paths and each opt-in path (a warp zeroing its own hidden rows, K operands from
+    the raw FP8 tile, ...) and all of them at once; finite output equal to the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    set_switches(monkeypatch, OPT_IN_SWITCHES if switch == "all" else (switch,) if switch else ())
     if splits != "auto":
         monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
     _C.set_cuda_loader(loader)
@@ -319,7 +366,7 @@ def test_flash_attn_paged_cuda_nan_before_every_window(monkeypatch, loader, page
         out = pagedkv.flash_attn_paged(q, *args, **kwargs)
     except RuntimeError as e:  # this page size does not fit the TMA loader
         assert "does not fit" in str(e)
-        return
+        pytest.skip("the forced loader does not fit this page size")
     expected = ref.flash_attn_paged(q.double(), *args, **kwargs)
     assert torch.isfinite(expected).all()
     assert_attention_close(out, expected, torch.bfloat16, f"NaN before the window, {LOADER_NAMES[loader]}")
