@@ -67,4 +67,9 @@ mkdir -p "$OUTDIR"
 for so in "$SRC"/python/pagedkv/_C.cpython-*.so; do gzip -c "$so" >"$OUTDIR/$(basename "$so").gz"; done
 cp "$SRC/python/pagedkv/_build_config.py" "$OUTDIR/"
 echo "$STAMP" >"$OUTDIR/commit"
+# what it was built from (sha256sum's format, paths from the tree's root; not the READMEs): gpu_run.sh
+# uses the extension only where every one of these files is unchanged, so a tree edited after the build
+# rebuilds there
+(cd "$TREE" && git ls-files -co --exclude-standard -z -- csrc setup.py ':(exclude)*.md' | LC_ALL=C sort -z |
+  xargs -0 sha256sum) >"$OUTDIR/sources.sha256"
 ls -la "$OUTDIR"

@@ -16,8 +16,9 @@
 # table per row.
 # Uses the machine's python3 (a CUDA torch); builds in place into python/pagedkv/.
 # Prebuilt: an extension built elsewhere against the same torch (benchmarks/gpu_prebuild.sh) waits in
-# .gpu_prebuilt/ (carried, not tracked); the build stage uses it when its record names this torch and
-# it imports with CUDA, and compiles (nproc jobs) otherwise.
+# .gpu_prebuilt/ (carried, not tracked); the build stage uses it when its record names this torch, every
+# source file it was built from is unchanged in this tree and it imports with CUDA, and compiles (nproc
+# jobs) otherwise.
 # PAGEDKV_CUDA_ARCHS narrows the targets (default: the device's own, e.g. 90a on H100).
 set -uo pipefail
 
@@ -75,6 +76,16 @@ use_prebuilt() {  # the extension as gpu_prebuild.sh leaves it (gzipped; a plain
   local so
   so=$(ls .gpu_prebuilt/_C.cpython-*.so* 2>/dev/null | head -1)
   [ -n "$so" ] && [ -f .gpu_prebuilt/_build_config.py ] || return 1
+  if [ ! -f .gpu_prebuilt/sources.sha256 ]; then
+    log "prebuilt extension has no record of its sources (gpu_prebuild.sh before 2026-11-27 evening): building"
+    return 1
+  fi
+  local changed
+  changed=$(sha256sum -c --quiet .gpu_prebuilt/sources.sha256 2>/dev/null | head -5 | tr '\n' ' ')
+  if [ -n "$changed" ]; then
+    log "prebuilt extension was built from other sources (${changed}...): building"
+    return 1
+  fi
   grep -q "TORCH_VERSION = '$($PY -c 'import torch; print(torch.__version__)')'" .gpu_prebuilt/_build_config.py || {
     log "prebuilt extension is for another torch: $(grep TORCH_VERSION .gpu_prebuilt/_build_config.py)"
     return 1
