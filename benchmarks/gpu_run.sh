@@ -5,11 +5,12 @@
 # benchmarks/results/gpu-<date>; at most 8 files, the device tool's limit) and the benchmark
 # tables are copied to benchmarks/results/.
 #
-#   bash benchmarks/gpu_run.sh [all|build|test|memcheck|sass|bench|profile]...   (default: all)
+#   bash benchmarks/gpu_run.sh [all|build|test|memcheck|racecheck|sass|bench|profile]...   (default: all)
 #
 # `all` is build, test, bench, memcheck (in that order, the most telling first); sass (it compiles
 # every target, minutes of device time; .ci/cuda_build_check.sh does the same check on any machine
-# with nvcc) and profile (Nsight Compute on the attention kernels) only when named. Each stage has a
+# with nvcc), racecheck (racecheck and synccheck on the opt-in decode paths) and profile (Nsight Compute
+# on the attention kernels) only when named. Each stage has a
 # time limit (seconds; env GPU_T_TEST, GPU_T_BENCH, GPU_T_MEMCHECK, and GPU_T_OPT_IN for the opt-in
 # kernel paths' tests, which run first), so one call fits the device tool's 10 minutes and what a stage
 # measured before its limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its
@@ -36,7 +37,7 @@ STAGES=("$@")
 want() {
   for s in "${STAGES[@]}"; do
     [ "$s" = "$1" ] && return 0
-    [ "$s" = all ] && [ "$1" != sass ] && [ "$1" != profile ] && return 0
+    [ "$s" = all ] && [ "$1" != sass ] && [ "$1" != profile ] && [ "$1" != racecheck ] && return 0
   done
   return 1
 }
@@ -145,6 +146,25 @@ if want bench; then
   grep -v '^ ' "$OUT/bench.txt" | tail -25
   mkdir -p benchmarks/results
   cp "$OUT"/bench_gpu*.json "$OUT"/bench_gpu*.md benchmarks/results/ 2>/dev/null || true
+fi
+
+if want racecheck; then
+  # shared-memory hazards and barrier misuse of the opt-in decode paths (a warp barrier where a block
+  # barrier was): compute-sanitizer's racecheck (it sees threads' shared stores and loads, not TMA's
+  # writes) and synccheck, on a few of their cases
+  RACE_K="(warp_sync or k_fragments or spread_issue) and 128-16 and not e5m2 and not e4m3fn-float16"  # D 128, page 16
+  log "compute-sanitizer racecheck and synccheck on -k '$RACE_K' (limit ${GPU_T_RACECHECK:-120}s each)"
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in racecheck synccheck; do
+      timeout "${GPU_T_RACECHECK:-120}" compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+        $PY -m pytest -v -p no:cacheprovider -k "$RACE_K" tests/ops/test_flash_attn_paged_kernel_paths.py \
+        >>"$OUT/sanitize.txt" 2>&1
+      log "$tool exit code $? (99: hazards found, 124: its limit); $(tail -1 "$OUT/sanitize.txt")"
+    done
+    grep -m 10 -B2 -A8 "Race reported\|Barrier error\|ERROR SUMMARY" "$OUT/sanitize.txt" | head -60
+  else
+    log "compute-sanitizer not found"
+  fi
 fi
 
 if want memcheck; then
