@@ -52,6 +52,11 @@ mkdir -p "$SRC"
 # tracked and untracked-not-ignored files only; tar keeps the files' times, so ninja recompiles only
 # what changed
 (cd "$TREE" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$SRC"
+# what it is built from (sha256sum's format, paths from the tree's root; not the READMEs), hashed in the
+# copy that is built: gpu_run.sh uses the extension only where every one of these files is unchanged, so
+# a tree edited after the build rebuilds there
+(cd "$TREE" && git ls-files -co --exclude-standard -z -- csrc setup.py ':(exclude)*.md' | LC_ALL=C sort -z) |
+  (cd "$SRC" && xargs -0 sha256sum) >"$SRC/.pagedkv_sources.sha256"
 
 echo "==> build PAGEDKV_BUILD=cuda PAGEDKV_CUDA_ARCHS=$ARCHS"
 (cd "$SRC" && PATH="$VENV/bin:$CUDA_HOME/bin:$PATH" PAGEDKV_BUILD=cuda PAGEDKV_CUDA_ARCHS=$ARCHS \
@@ -67,9 +72,5 @@ mkdir -p "$OUTDIR"
 for so in "$SRC"/python/pagedkv/_C.cpython-*.so; do gzip -c "$so" >"$OUTDIR/$(basename "$so").gz"; done
 cp "$SRC/python/pagedkv/_build_config.py" "$OUTDIR/"
 echo "$STAMP" >"$OUTDIR/commit"
-# what it was built from (sha256sum's format, paths from the tree's root; not the READMEs): gpu_run.sh
-# uses the extension only where every one of these files is unchanged, so a tree edited after the build
-# rebuilds there
-(cd "$TREE" && git ls-files -co --exclude-standard -z -- csrc setup.py ':(exclude)*.md' | LC_ALL=C sort -z |
-  xargs -0 sha256sum) >"$OUTDIR/sources.sha256"
+cp "$SRC/.pagedkv_sources.sha256" "$OUTDIR/sources.sha256"
 ls -la "$OUTDIR"
