@@ -10,11 +10,10 @@
 # `all` is build, test, bench, memcheck (in that order, the most telling first); sass (it compiles
 # every target, minutes of device time; .ci/cuda_build_check.sh does the same check on any machine
 # with nvcc), racecheck (racecheck and synccheck on the opt-in decode paths) and profile (Nsight Compute
-# on the attention kernels) only when named. Each stage has a
-# time limit (seconds; env GPU_T_TEST, GPU_T_BENCH, GPU_T_MEMCHECK, and GPU_T_OPT_IN for the opt-in
-# kernel paths' tests, which run first), so one call fits the device tool's 10 minutes and what a stage
-# measured before its limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its
-# table per row.
+# on the attention kernels) only when named. Each stage has a time limit (seconds; env GPU_T_TEST,
+# GPU_T_BENCH, GPU_T_MEMCHECK, GPU_T_RACECHECK, and GPU_T_OPT_IN for the opt-in kernel paths' tests,
+# which run first), so one call fits the device tool's 10 minutes and what a stage measured before its
+# limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its table per row.
 # Uses the machine's python3 (a CUDA torch); builds in place into python/pagedkv/.
 # Prebuilt: an extension built elsewhere against the same torch (benchmarks/gpu_prebuild.sh) waits in
 # .gpu_prebuilt/ (carried, not tracked); the build stage uses it when its record names this torch, every

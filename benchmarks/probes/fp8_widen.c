@@ -1,12 +1,13 @@
 /* Is a shift cheaper than the table lookups that widen e4m3 codes to bf16 in the CPU dot decode?
  * (issue 26 suggests "a table or shift-based widening".) The decode's inner loops, alone in L1, one
  * core, TSC ticks per key and KV head (4 query vectors, D 128, 32 keys 1 KB apart as one head's rows of
- * 8-head token-major pages), four ways of widening, each checked against a scalar conversion first:
+ * 8-head token-major pages), four ways of widening, each checked first against the core's scalar
+ * conversion (pkv_e4m3_to_f32):
  *
  *   cc -O2 -march=native benchmarks/probes/fp8_widen.c -o /tmp/fp8_widen && /tmp/fp8_widen [reps=5]
  *
- *   table   two vpermi2b lookups per 64 codes (high and low byte of the bf16 bits) and the sign or-ed
- *           back: exact for all 256 codes, what decode_dot.inc does.
+ *   table   the kernel's own: two vpermi2b lookups per 64 codes (high and low byte of the bf16 bits)
+ *           and the sign or-ed back (pkv_cpu_simd.h's vi_fp8_bf16_bytes), exact for all 256 codes.
  *   shift   the code in a word's high byte, an arithmetic shift right by 4 and one ternary-logic op:
  *           sign | 0x3800 | (code & 0x7f) << 4, which is the code's value times 2^-8 for every normal
  *           code (exponent field 1..15; q would take the 2^8) and wrong for zero, the subnormals
@@ -32,39 +33,26 @@
  * temporary switch, one process, 15 rounds) not even that: with the check 0.99-1.01x the time of the
  * table, without it 0.98-1.05x (warm and in DRAM), so what bounds the kernel's QK is not its lookups.
  * The decode keeps the table. */
-#include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <x86intrin.h>
 
+/* the kernel's own lookup (vi_fp8_bf16_bytes, pkv_fp8_bf16_bytes) and the core's scalar conversion */
+#define PKV_SIMD_AVX512 1
+#include "../../csrc/cpu/kernels/pkv_cpu_simd.h"
+
 #define AI static inline __attribute__((always_inline))
 enum { TABLE, SHIFT, SHIFT_CHECK, EXACT_CHECK, MODES };
 static const char *mode_name[MODES] = {"table", "shift", "shift+check", "exact+check"};
 enum { ROWS = 4, D = 128, KEYS = 32, KEY_STRIDE = 1024, QP_WORDS = 160 };
 
-/* bf16 bits of an e4m3 code (NaN as 0x7fc0 with the code's sign), the scalar truth */
-static uint16_t e4m3_bf16(uint8_t code) {
-  uint16_t sign = (uint16_t)((code & 0x80) << 8);
-  int e = (code >> 3) & 15, m = code & 7;
-  if (e == 15 && m == 7) return sign | 0x7fc0;
-  if (e == 0) {
-    if (m == 0) return sign;
-    int shift = 0; /* m * 2^-9 normalized: the top set bit of m becomes the implicit one */
-    while (!(m & 4)) m <<= 1, shift++;
-    return sign | (uint16_t)((118 - shift + 2) << 7) | (uint16_t)((m & 3) << 5);
-  }
-  return sign | (uint16_t)((e + 120) << 7) | (uint16_t)(m << 4);
-}
-
-static uint8_t table_bytes[256]; /* high bytes of the 128 magnitudes, then the low bytes */
-
+/* decode_dot.inc's dot_fp8_64: the kernel's two lookups, then the bytes interleaved into words */
 AI void widen_table(__m512i c, __m512i *first, __m512i *second) {
-  const __m512i *hi_tab = (const __m512i *)table_bytes, *lo_tab = (const __m512i *)(table_bytes + 128);
-  __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(hi_tab), c, _mm512_loadu_si512(hi_tab + 1));
-  hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (c & 0x80) */
-  __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(lo_tab), c, _mm512_loadu_si512(lo_tab + 1));
+  __m512i hi, lo;
+  vi_fp8_bf16_bytes(c, pkv_fp8_bf16_bytes[PKV_FP8_E4M3], &hi, &lo);
   *first = _mm512_unpacklo_epi8(lo, hi);
   *second = _mm512_unpackhi_epi8(lo, hi);
 }
@@ -191,8 +179,16 @@ typedef void (*pv_fn)(const uint16_t *, const uint8_t *, float *, __mmask64 *);
 static const qk_fn qk_fns[MODES] = {qk_table, qk_shift, qk_check, qk_exact};
 static const pv_fn pv_fns[MODES] = {pv_table, pv_shift, pv_check, pv_exact};
 
-/* Each widening against the scalar truth on all 256 codes: the table everywhere, the shifts on the normal
- * codes (the scaled one times 2^8), the check flagging every code they get wrong. */
+static float bf16_value(uint16_t bits) {
+  uint32_t b = (uint32_t)bits << 16;
+  float v;
+  memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+/* Each widening against the core's scalar conversion (pkv_e4m3_to_f32) on all 256 codes: the table
+ * everywhere (NaN as NaN), the shifts on the normal codes (the scaled one times 2^8), the check flagging
+ * every code they get wrong. */
 static int check_widening(void) {
   uint8_t codes[256];
   for (int i = 0; i < 256; i++) codes[i] = (uint8_t)i;
@@ -209,13 +205,11 @@ static int check_widening(void) {
       int half = w / 32, lane = w % 32 / 8, slot = w % 8 + 8 * half; /* word w holds code 16 lane + slot */
       uint8_t code = (uint8_t)(base + 16 * lane + slot);
       int special = ((code >> 3) & 15) == 0 || (code & 0x7f) == 0x7f;
-      uint16_t truth = e4m3_bf16(code);
-      float scaled, value;
-      uint32_t sb = (uint32_t)words[2 + half][w % 32] << 16, tb = (uint32_t)truth << 16;
-      memcpy(&scaled, &sb, 4), memcpy(&value, &tb, 4);
-      if (words[half][w % 32] != truth) bad++, printf("table: code 0x%02x wrong\n", code);
-      if (!special && scaled * 256.0f != value) bad++, printf("shift: code 0x%02x wrong\n", code);
-      if (!special && words[4 + half][w % 32] != truth) bad++, printf("exact: code 0x%02x wrong\n", code);
+      float truth = pkv_e4m3_to_f32(code), table = bf16_value(words[half][w % 32]);
+      if (isnan(truth) ? !isnan(table) : table != truth) bad++, printf("table: code 0x%02x wrong\n", code);
+      if (!special && bf16_value(words[2 + half][w % 32]) * 256.0f != truth)
+        bad++, printf("shift: code 0x%02x wrong\n", code);
+      if (!special && bf16_value(words[4 + half][w % 32]) != truth) bad++, printf("exact: code 0x%02x wrong\n", code);
       if (special && !((misses >> (16 * lane + slot)) & 1)) bad++, printf("check: code 0x%02x not flagged\n", code);
     }
   }
@@ -224,10 +218,6 @@ static int check_widening(void) {
 
 int main(int argc, char **argv) {
   int reps = argc > 1 ? atoi(argv[1]) : 5, calls = 20000;
-  for (int i = 0; i < 128; i++) {
-    table_bytes[i] = (uint8_t)(e4m3_bf16((uint8_t)i) >> 8);
-    table_bytes[128 + i] = (uint8_t)(e4m3_bf16((uint8_t)i) & 0xff);
-  }
   if (check_widening()) return 1;
   uint8_t *rows = aligned_alloc(64, KEYS * KEY_STRIDE);
   srand(1);
