@@ -33,6 +33,17 @@ e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decod
 the AVX512_BF16 dot products): before/after ratios.
 --head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
 ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
+Arithmetic bounds (--issue26): before the shapes and again after them, bf16, e4m3 and e5m2 decode a
+cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3), interleaved; the faster of
+the two medians per dtype, in ns per key and KV head per thread (warm_ns_per_kh), is what that
+decode's arithmetic costs when no byte waits for DRAM (call overhead included). Per row, derived from
+it and the row's own figures: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would
+read if its reading hid wholly under its arithmetic (no decode of this build can beat it in that
+minute); e4m3_arith_vs_bf16, the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 that
+row could show, FP8 being bound by its arithmetic); and once per run, both_targets_max_ceiling_gbps, the
+highest read ceiling at which bf16 at 85% of it and e4m3 at its warm speed still give 1.6x (both DRAM
+targets of issue 26 at once need a ceiling at or below it in the minute of the run: 512 bf16 bytes per
+key and KV head over 0.85 x 1.6 x e4m3's warm time, times the threads).
 """
 
 from __future__ import annotations
@@ -211,6 +222,37 @@ def issue26_case(B, L, gen, lib, args):
     return row
 
 
+WARM_CASE = (2, 1024)  # (B, L): 8.4 MB of bf16 K/V, 4.2 MB per FP8 dtype
+
+
+def warm_rates(args):
+    """{dtype: seconds per key and KV head per thread} of a cache-resident decode (WARM_CASE, the rows'
+    page layout), the three dtypes interleaved: what each decode's arithmetic costs when its bytes come
+    from the caches."""
+    B, L = WARM_CASE
+    c = make_case(B, L, 32, 8, 128, 16, torch.Generator().manual_seed(args.seed + 1))
+    q, k, v, table, offsets, lengths = c["q"], c["k"], c["v"], c["table"], c["offsets"], c["lengths"]
+    if args.head_major:
+        k, v = head_major(k), head_major(v)
+    cands = {"bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
+    for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        (k8, ks), (v8, vs) = (quantize_pages(x, dt, args.quant_group) for x in (k, v))
+        cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(
+            q, offsets, k8, v8, lengths, table, k_scales=ks, v_scales=vs, quant_group=args.quant_group))(k8, ks, v8, vs)
+    s = common.time_interleaved(cands, args.reps, args.warmup)
+    per_thread = B * L * 8 / torch.get_num_threads()
+    return {n: common.median(x) / per_thread for n, x in s.items()}
+
+
+def add_arith_bounds(row, warm, threads):
+    """The row's bounds from the warm rates (see the module docstring, "Arithmetic bounds")."""
+    per_thread = row["B"] * row["L"] * 8 / threads
+    bf16_s, e4m3_s = warm["bf16"] * per_thread, warm["e4m3"] * per_thread
+    kv = row["kv_MB"] * 1e6
+    row["bf16_arith_pct"] = 100 * kv / bf16_s / 1e9 / row["ceiling_gbps"]
+    row["e4m3_arith_vs_bf16"] = row["bf16_ms"] / 1e3 / e4m3_s
+
+
 def issue26_main(args):
     lib = common.read_ceiling_library()
     if lib is None:
@@ -225,14 +267,30 @@ def issue26_main(args):
     print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
           f"{env['read_ceiling_loads']}, LLC {env['last_level_cache_MiB']} MiB, load average {env['load_average']}")
     shapes = ISSUE26_SHAPES[:1] + ISSUE26_SHAPES[-2:] if args.quick else ISSUE26_SHAPES
+    warm_before = warm_rates(args)
+    print("warm (B=%d L=%d), ns per key and KV head per thread: " % WARM_CASE +
+          ", ".join(f"{n} {x * 1e9:.1f}" for n, x in warm_before.items()))
     rows = []
     for B, L in shapes:
         rows.append(issue26_case(B, L, gen, lib, args))
         common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16"])
+    warm_after = warm_rates(args)
+    warm = {n: min(warm_before[n], warm_after[n]) for n in warm_before}
+    env["warm_case"] = "B=%d L=%d" % WARM_CASE
+    env["warm_ns_per_kh"] = {n: dict(before=warm_before[n] * 1e9, after=warm_after[n] * 1e9, used=warm[n] * 1e9)
+                             for n in warm}
+    threads = torch.get_num_threads()
+    for r in rows:
+        add_arith_bounds(r, warm, threads)
+    bf16_bytes_per_kh = 2 * 128 * 2  # a K and a V row of D 128 in bf16
+    env["both_targets_max_ceiling_gbps"] = bf16_bytes_per_kh * threads / (0.85 * 1.6 * warm["e4m3"]) / 1e9
+    print("warm, after the shapes: " + ", ".join(f"{n} {x * 1e9:.1f}" for n, x in warm_after.items()) +
+          " ns; bounds use the faster of the two. bf16 >= 85%% of the ceiling and e4m3 >= 1.6x bf16 at once need a "
+          "read ceiling <= %.1f GB/s (e4m3 at its warm speed)" % env["both_targets_max_ceiling_gbps"])
     cols = ["case", "kv_MB", "llc_MiB", "bf16_ms", "bf16_gbps", "ceiling_gbps", "bf16_pct", "e4m3_ms", "e4m3_pct",
             "e4m3_vs_bf16", "e5m2_ms", "e5m2_vs_bf16", "ggml_f16_ms", "ggml_q8_0_ms", "bf16_vs_ggml_f16",
-            "e4m3_vs_ggml_q8_0"] + ([f"bf16_vs_{args.baseline_path}", f"e4m3_vs_{args.baseline_path}"]
-                                    if args.baseline_path else [])
+            "e4m3_vs_ggml_q8_0", "bf16_arith_pct", "e4m3_arith_vs_bf16"] + (
+                [f"bf16_vs_{args.baseline_path}", f"e4m3_vs_{args.baseline_path}"] if args.baseline_path else [])
     print()
     common.print_table(rows, cols)
     env["load_average_after"] = list(os.getloadavg())
