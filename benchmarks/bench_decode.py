@@ -34,9 +34,10 @@ the AVX512_BF16 dot products): before/after ratios.
 --head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
 ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
 Arithmetic bounds (--issue26): before the shapes and again after them, bf16, e4m3 and e5m2 decode a
-cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3), interleaved; the faster of
-the two medians per dtype, in ns per key and KV head per thread (warm_ns_per_kh), is what that
-decode's arithmetic costs when no byte waits for DRAM (call overhead included). Per row, derived from
+cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3) and the same call with one
+page per row (B=2 L=16: its fixed cost, taken off), interleaved; the faster of the two results per
+dtype, in ns per key and KV head per thread (warm_ns_per_kh), is what that decode's arithmetic costs
+per key when no byte waits for DRAM. Per row, derived from
 it and the row's own figures: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would
 read if its reading hid wholly under its arithmetic (no decode of this build can beat it in that
 minute); e4m3_arith_vs_bf16, the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 that
@@ -223,25 +224,35 @@ def issue26_case(B, L, gen, lib, args):
 
 
 WARM_CASE = (2, 1024)  # (B, L): 8.4 MB of bf16 K/V, 4.2 MB per FP8 dtype
+CALL_CASE = (2, 16)  # the same call with one page per row: its fixed cost, taken off WARM_CASE's time
 
 
-def warm_rates(args):
-    """{dtype: seconds per key and KV head per thread} of a cache-resident decode (WARM_CASE, the rows'
-    page layout), the three dtypes interleaved: what each decode's arithmetic costs when its bytes come
-    from the caches."""
-    B, L = WARM_CASE
+def decode_calls(B, L, args):
+    """{dtype: a decode call} for bf16, e4m3 and e5m2 caches of one case (the rows' page layout)."""
     c = make_case(B, L, 32, 8, 128, 16, torch.Generator().manual_seed(args.seed + 1))
     q, k, v, table, offsets, lengths = c["q"], c["k"], c["v"], c["table"], c["offsets"], c["lengths"]
     if args.head_major:
         k, v = head_major(k), head_major(v)
-    cands = {"bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
+    calls = {"bf16": lambda: pagedkv.flash_attn_paged(q, offsets, k, v, lengths, table)}
     for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
         (k8, ks), (v8, vs) = (quantize_pages(x, dt, args.quant_group) for x in (k, v))
-        cands[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(
+        calls[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(
             q, offsets, k8, v8, lengths, table, k_scales=ks, v_scales=vs, quant_group=args.quant_group))(k8, ks, v8, vs)
+    return calls
+
+
+def warm_rates(args):
+    """{dtype: seconds per key and KV head per thread} of a cache-resident decode: WARM_CASE's time less
+    CALL_CASE's (the call's fixed cost) over the key-heads between them, the six calls interleaved. What
+    each decode's arithmetic costs per key when its bytes come from the caches."""
+    cands = {}
+    for case in (WARM_CASE, CALL_CASE):
+        cands.update({(name, case): call for name, call in decode_calls(*case, args).items()})
     s = common.time_interleaved(cands, args.reps, args.warmup)
-    per_thread = B * L * 8 / torch.get_num_threads()
-    return {n: common.median(x) / per_thread for n, x in s.items()}
+    t = {n: common.median(x) for n, x in s.items()}
+    (B, L), (b, l) = WARM_CASE, CALL_CASE
+    per_thread = (B * L - b * l) * 8 / torch.get_num_threads()
+    return {name: (t[(name, WARM_CASE)] - t[(name, CALL_CASE)]) / per_thread for name in ("bf16", "e4m3", "e5m2")}
 
 
 def add_arith_bounds(row, warm, threads):
