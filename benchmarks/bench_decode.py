@@ -33,18 +33,18 @@ e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decod
 the AVX512_BF16 dot products): before/after ratios.
 --head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
 ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
-Arithmetic bounds (--issue26): before the shapes and again after them, bf16, e4m3 and e5m2 decode a
+Arithmetic bounds (--issue26): right after each shape's rounds, bf16, e4m3 and e5m2 decode a
 cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3) and the same call with one
-page per row (B=2 L=16: its fixed cost, taken off), interleaved; the faster of the two results per
-dtype, in ns per key and KV head per thread (warm_ns_per_kh), is what that decode's arithmetic costs
-per key when no byte waits for DRAM. Per row, derived from
-it and the row's own figures: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would
-read if its reading hid wholly under its arithmetic (no decode of this build can beat it in that
-minute); e4m3_arith_vs_bf16, the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 that
-row could show, FP8 being bound by its arithmetic); and once per run, both_targets_max_ceiling_gbps, the
-highest read ceiling at which bf16 at 85% of it and e4m3 at its warm speed still give 1.6x (both DRAM
-targets of issue 26 at once need a ceiling at or below it in the minute of the run: 512 bf16 bytes per
-key and KV head over 0.85 x 1.6 x e4m3's warm time, times the threads).
+page per row (B=2 L=16: its fixed cost, taken off), interleaved; per dtype, in ns per key and KV head
+per thread (warm_<dtype>_ns), what that decode's arithmetic costs per key when no byte waits for DRAM,
+in the same minute as the row (this shared machine's speed moves from minute to minute). Derived from
+them and the row's own figures: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would
+read if its reading hid wholly under its arithmetic (no decode of this build beats it in that minute);
+e4m3_arith_vs_bf16, the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 the row
+could show, FP8 being bound by its arithmetic); both_max_ceiling_gbps, the highest read ceiling at
+which bf16 at 85% of it and e4m3 at its warm speed still give 1.6x (issue 26's two DRAM targets at
+once need a ceiling at or below it: 512 bf16 bytes per key and KV head, times the threads, over
+0.85 x 1.6 x e4m3's warm time).
 """
 
 from __future__ import annotations
@@ -201,6 +201,7 @@ def issue26_case(B, L, gen, lib, args):
     cands["ceiling_fp8"] = common.read_ceiling_call(lib, fp8_bytes, threads)
     s = common.time_interleaved(cands, args.reps, args.warmup)
     t = {n: common.median(x) for n, x in s.items()}
+    warm = warm_rates(args)  # right after the rounds: this machine's speed moves from minute to minute
     ggml = ggml_times(B, L, Hq, Hk, D, threads, args.reps)
     llc = common.last_level_cache_bytes()
     ceil_bf16, ceil_fp8 = kv_bytes / t["ceiling_bf16"] / 1e9, fp8_bytes / t["ceiling_fp8"] / 1e9
@@ -219,6 +220,7 @@ def issue26_case(B, L, gen, lib, args):
     if ggml:
         row.update(ggml=ggml, ggml_f16_ms=ggml["f16"], ggml_q8_0_ms=ggml["q8_0"], bf16_vs_ggml_f16=ggml["f16"] / (t["bf16"] * 1e3),
                    e4m3_vs_ggml_q8_0=ggml["q8_0"] / (t["e4m3"] * 1e3))
+    add_arith_bounds(row, warm, threads)
     row["samples"] = s
     return row
 
@@ -256,12 +258,15 @@ def warm_rates(args):
 
 
 def add_arith_bounds(row, warm, threads):
-    """The row's bounds from the warm rates (see the module docstring, "Arithmetic bounds")."""
+    """The row's bounds from the warm rates measured after its rounds (module docstring, "Arithmetic
+    bounds")."""
     per_thread = row["B"] * row["L"] * 8 / threads
     bf16_s, e4m3_s = warm["bf16"] * per_thread, warm["e4m3"] * per_thread
     kv = row["kv_MB"] * 1e6
+    row.update({f"warm_{n}_ns": x * 1e9 for n, x in warm.items()})
     row["bf16_arith_pct"] = 100 * kv / bf16_s / 1e9 / row["ceiling_gbps"]
     row["e4m3_arith_vs_bf16"] = row["bf16_ms"] / 1e3 / e4m3_s
+    row["both_max_ceiling_gbps"] = kv / (0.85 * 1.6 * e4m3_s) / 1e9
 
 
 def issue26_main(args):
@@ -278,29 +283,15 @@ def issue26_main(args):
     print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
           f"{env['read_ceiling_loads']}, LLC {env['last_level_cache_MiB']} MiB, load average {env['load_average']}")
     shapes = ISSUE26_SHAPES[:1] + ISSUE26_SHAPES[-2:] if args.quick else ISSUE26_SHAPES
-    warm_before = warm_rates(args)
-    print("warm (B=%d L=%d), ns per key and KV head per thread: " % WARM_CASE +
-          ", ".join(f"{n} {x * 1e9:.1f}" for n, x in warm_before.items()))
     rows = []
     for B, L in shapes:
         rows.append(issue26_case(B, L, gen, lib, args))
-        common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16"])
-    warm_after = warm_rates(args)
-    warm = {n: min(warm_before[n], warm_after[n]) for n in warm_before}
-    env["warm_case"] = "B=%d L=%d" % WARM_CASE
-    env["warm_ns_per_kh"] = {n: dict(before=warm_before[n] * 1e9, after=warm_after[n] * 1e9, used=warm[n] * 1e9)
-                             for n in warm}
-    threads = torch.get_num_threads()
-    for r in rows:
-        add_arith_bounds(r, warm, threads)
-    bf16_bytes_per_kh = 2 * 128 * 2  # a K and a V row of D 128 in bf16
-    env["both_targets_max_ceiling_gbps"] = bf16_bytes_per_kh * threads / (0.85 * 1.6 * warm["e4m3"]) / 1e9
-    print("warm, after the shapes: " + ", ".join(f"{n} {x * 1e9:.1f}" for n, x in warm_after.items()) +
-          " ns; bounds use the faster of the two. bf16 >= 85%% of the ceiling and e4m3 >= 1.6x bf16 at once need a "
-          "read ceiling <= %.1f GB/s (e4m3 at its warm speed)" % env["both_targets_max_ceiling_gbps"])
+        common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16", "bf16_arith_pct",
+                                       "e4m3_arith_vs_bf16"])
     cols = ["case", "kv_MB", "llc_MiB", "bf16_ms", "bf16_gbps", "ceiling_gbps", "bf16_pct", "e4m3_ms", "e4m3_pct",
             "e4m3_vs_bf16", "e5m2_ms", "e5m2_vs_bf16", "ggml_f16_ms", "ggml_q8_0_ms", "bf16_vs_ggml_f16",
-            "e4m3_vs_ggml_q8_0", "bf16_arith_pct", "e4m3_arith_vs_bf16"] + (
+            "e4m3_vs_ggml_q8_0", "warm_bf16_ns", "warm_e4m3_ns", "bf16_arith_pct", "e4m3_arith_vs_bf16",
+            "both_max_ceiling_gbps"] + (
                 [f"bf16_vs_{args.baseline_path}", f"e4m3_vs_{args.baseline_path}"] if args.baseline_path else [])
     print()
     common.print_table(rows, cols)
