@@ -33,12 +33,12 @@ e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decod
 the AVX512_BF16 dot products): before/after ratios.
 --head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
 ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
-Arithmetic bounds (--issue26): after each shape's rounds, bf16, e4m3 and e5m2 decode a cache-resident
-case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3) and the same call with one page per row
-(B=2 L=16: its fixed cost, taken off), interleaved for 101 rounds; the fastest time of each, per dtype
-in ns per key and KV head per thread (warm_<dtype>_ns), is what that decode's arithmetic costs per key
-when no byte waits for DRAM, at the machine's best in those rounds. The fastest of the run (every
-shape's) bounds every row: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would read
+Arithmetic bounds (--issue26): before the first shape and after each shape's rounds, bf16, e4m3 and
+e5m2 decode a cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machine's L3) and the same
+call with one page per row (B=2 L=16: its fixed cost, taken off), interleaved for 101 rounds; the
+fastest time of each, per dtype in ns per key and KV head per thread (warm_<dtype>_ns), is what that
+decode's arithmetic costs per key when no byte waits for DRAM, at the machine's best in those rounds.
+The fastest of the run bounds every row: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would read
 if its reading hid wholly under its arithmetic (no decode of this build beats it); e4m3_arith_vs_bf16,
 the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 the row could show, FP8 being
 bound by its arithmetic); both_max_ceiling_gbps, the highest read ceiling at which bf16 at 85% of it
@@ -284,13 +284,15 @@ def issue26_main(args):
     print(f"threads {torch.get_num_threads()}, pagedkv ISA {env['pagedkv_cpu_isa']}, read ceiling loads "
           f"{env['read_ceiling_loads']}, LLC {env['last_level_cache_MiB']} MiB, load average {env['load_average']}")
     shapes = ISSUE26_SHAPES[:1] + ISSUE26_SHAPES[-2:] if args.quick else ISSUE26_SHAPES
+    warm_start = warm_rates(args)  # and after every shape (issue26_case): the run's fastest bounds every row
     rows = []
     for B, L in shapes:
         rows.append(issue26_case(B, L, gen, lib, args))
         common.print_table(rows[-1:], ["case", "kv_MB", "bf16_ms", "bf16_pct", "e4m3_vs_bf16", "e5m2_vs_bf16", "warm_bf16_ns",
                                        "warm_e4m3_ns"])
     threads = torch.get_num_threads()
-    warm = {n: min(r[f"warm_{n}_ns"] for r in rows) * 1e-9 for n in ("bf16", "e4m3", "e5m2")}
+    warm = {n: min([warm_start[n]] + [r[f"warm_{n}_ns"] * 1e-9 for r in rows]) for n in warm_start}
+    env["warm_ns_per_kh_at_start"] = {n: x * 1e9 for n, x in warm_start.items()}
     env["warm_ns_per_kh_fastest"] = {n: x * 1e9 for n, x in warm.items()}
     for r in rows:
         add_arith_bounds(r, warm, threads)
