@@ -38,12 +38,13 @@ e5m2 decode a cache-resident case (B=2 L=1024: 8.4 MB of bf16 K/V, in this machi
 call with one page per row (B=2 L=16: its fixed cost, taken off), interleaved for 101 rounds; the
 fastest time of each, per dtype in ns per key and KV head per thread (warm_<dtype>_ns), is what that
 decode's arithmetic costs per key when no byte waits for DRAM, at the machine's best in those rounds.
-The fastest of the run bounds every row: bf16_arith_pct, the % of the row's read ceiling that bf16 decode would read
-if its reading hid wholly under its arithmetic (no decode of this build beats it); e4m3_arith_vs_bf16,
-the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 the row could show, FP8 being
-bound by its arithmetic); both_max_ceiling_gbps, the highest read ceiling at which bf16 at 85% of it
-and e4m3 at its warm speed still give 1.6x (issue 26's two DRAM targets at once need a ceiling at or
-below it: 512 bf16 bytes per key and KV head, times the threads, over 0.85 x 1.6 x e4m3's warm time).
+The fastest of the run bounds every row: bf16_arith_pct, the % of the row's read ceiling that bf16
+decode would read if its reading hid wholly under its arithmetic (no decode of this build beats it);
+e4m3_arith_vs_bf16, the row's bf16 time over e4m3 at its warm speed (the most e4m3 / bf16 the row
+could show, FP8 being bound by its arithmetic); both_max_ceiling_gbps, the highest read ceiling at
+which bf16 at 85% of it and e4m3 at its warm speed still give 1.6x (issue 26's two DRAM targets at
+once need a ceiling at or below it: 512 bf16 bytes per key and KV head, times the threads, over
+0.85 x 1.6 x e4m3's warm time).
 """
 
 from __future__ import annotations
