@@ -123,3 +123,43 @@ def test_page_read_probe_builds_and_reports_every_mode(tmp_path):
     assert all(float(v) > 0 for v in rows.values()), out
     bad = subprocess.run([str(exe), "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("probe,needs,argv,modes", [
+    ("tile_read", "avx2", ["64", "2", "1"], 9),
+    ("overlap_read", "avx512_bf16", ["64", "1"], 12),
+])
+def test_pool_probe_builds_and_reports_every_mode(tmp_path, probe, needs, argv, modes):
+    """benchmarks/probes/tile_read.c and overlap_read.c (on probe_pool.h; figures quoted in
+    benchmarks/README.md): build warning-free, print a positive median for every mode on a small pool,
+    and refuse a pool too small for a tile per thread with their usage line."""
+    import re
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if needs not in cpu_flags():
+        pytest.skip(f"the probe needs {needs}")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes", probe + ".c")
+    exe = tmp_path / probe
+    built = subprocess.run([cc, "-O2", "-march=native", "-fopenmp", "-Wall", "-Wextra", "-Werror", src, "-o", str(exe)],
+                           capture_output=True, text=True)
+    if built.returncode != 0 and "fopenmp" in built.stderr:
+        pytest.skip("no OpenMP in this C compiler")
+    assert built.returncode == 0, built.stderr
+    out = subprocess.run([str(exe)] + argv, check=True, capture_output=True, text=True).stdout
+    rows = re.findall(r"^(\S[^\n]*?)\s+median\s+([0-9.]+) GB/s", out, re.M)
+    assert len(rows) == modes and len({name for name, _ in rows}) == modes, out
+    assert all(float(v) > 0 for _, v in rows), out
+    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr

@@ -35,15 +35,11 @@
  *                         PV costs when all heads of a key are done together, since 4 query vectors x
  *                         128 columns of float32 per head, 8 heads, do not fit the registers)
  * Nothing but the walk is timed. */
-#define _GNU_SOURCE
+#include "probe_pool.h"
+
 #include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #ifndef WORK
 #define WORK 32
@@ -224,46 +220,27 @@ static float read_contiguous(const char *p, int64_t bytes) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
 }
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
   int64_t pool = (argc > 1 ? atoll(argv[1]) : 512) << 20;
   int reps = argc > 2 ? atoi(argv[2]) : 9;
-  const int64_t huge = 2 << 20, half = pool / 2 / huge * huge, pages = half / PAGE / (4 * THREADS) * (4 * THREADS);
-  if (pages < 8 * THREADS || reps < 1) {
+  probe_pool pp = {0};
+  int failed = reps < 1 ? 0 : probe_pool_init(&pp, pool, PAGE, 4 * THREADS);
+  if (reps < 1 || pp.pages < 8 * THREADS) {
     fprintf(stderr, "usage: %s [pool_MiB >= 64] [reps >= 1]\n", argv[0]);
     return 2;
   }
-  char *k = aligned_alloc((size_t)huge, (size_t)half), *v = aligned_alloc((size_t)huge, (size_t)half);
-  int64_t *order = malloc((size_t)pages * sizeof *order);
   double *t = malloc((size_t)MODES * (size_t)reps * sizeof *t);
-  if (!k || !v || !order || !t) {
+  if (failed || !t) {
     fprintf(stderr, "out of memory\n");
     return 1;
   }
-  int advised = madvise(k, (size_t)half, MADV_HUGEPAGE) == 0 && madvise(v, (size_t)half, MADV_HUGEPAGE) == 0;
-  memset(k, 1, (size_t)half); /* every page mapped before timing */
-  memset(v, 1, (size_t)half);
-  srand(1);
-  for (int64_t i = 0; i < pages; i++) order[i] = i;
-  for (int64_t i = pages - 1; i > 0; i--) {
-    int64_t r = rand() % (i + 1), x = order[i];
-    order[i] = order[r], order[r] = x;
-  }
+  const char *k = pp.k, *v = pp.v;
+  const int64_t half = pp.half, pages = pp.pages, *order = pp.order;
   volatile float sink = 0;
   for (int r = 0; r < reps; r++)
     for (int m = 0; m < MODES; m++) {
       int mode = (m + r) % MODES; /* rotate who goes first */
-      double t0 = now_s();
+      double t0 = probe_now();
 #pragma omp parallel num_threads(THREADS)
       {
         int id = omp_get_thread_num();
@@ -273,14 +250,14 @@ int main(int argc, char **argv) {
 #pragma omp atomic
         sink += s;
       }
-      t[mode * reps + r] = now_s() - t0;
+      t[mode * reps + r] = probe_now() - t0;
     }
   printf("pool %lld MiB (K + V, %lld pages of 32 KB), %d threads, %d reps, %d vdpbf16ps per row, huge pages %s\n",
-         (long long)(2 * half >> 20), (long long)pages, THREADS, reps, WORK, advised ? "advised" : "refused");
+         (long long)(2 * half >> 20), (long long)pages, THREADS, reps, WORK, pp.advised ? "advised" : "refused");
   double base = 0, bytes = 2.0 * (double)pages * PAGE, key_heads = (double)pages * KEYS_PER_PAGE * HEADS / THREADS;
   for (int m = 0; m < MODES; m++) {
     double *tm = t + m * reps;
-    qsort(tm, (size_t)reps, sizeof *tm, cmp_double);
+    qsort(tm, (size_t)reps, sizeof *tm, probe_cmp_double);
     double gbps = bytes / tm[reps / 2] / 1e9;
     if (m == SEQUENTIAL) base = gbps;
     printf("%-22s median %6.2f GB/s  %5.1f%% of sequential  %5.1f ns per key and KV head per core\n", names[m], gbps,

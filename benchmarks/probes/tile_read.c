@@ -25,15 +25,11 @@
  * prefetch loop has a cost of its own: from the L3 (an 8 MiB pool) they read 54-61 GB/s on the 2-core
  * Zen 4 EPYC, where the modes without software prefetch read 136-148, so in minutes when DRAM reads
  * near 50 GB/s their figure is partly that loop's. */
-#define _GNU_SOURCE
+#include "probe_pool.h"
+
 #include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 
 enum { KEYS_PER_PAGE = 16, HEADS = 8, ROW = 256, KEY_BYTES = HEADS * ROW, PAGE = KEYS_PER_PAGE * KEY_BYTES };
 enum { SEQUENTIAL, CHUNKS_1, CHUNKS_2, CHUNKS_4, TILE_MEMORY, TILE_HEADS, TILE_K_BLOCKS, TILE_NO_PREFETCH,
@@ -139,46 +135,28 @@ static float read_tiles(const job *j, int mode) {
   return VSUM(a);
 }
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
   int64_t pool = (argc > 1 ? atoll(argv[1]) : 512) << 20;
   int threads = argc > 2 ? atoi(argv[2]) : 2, reps = argc > 3 ? atoi(argv[3]) : 9;
-  const int64_t huge = 2 << 20, half = pool / 2 / huge * huge, pages = half / PAGE / (4 * threads) * (4 * threads);
-  if (pages < 8 * threads || threads < 1 || threads > 256 || reps < 1) {
+  probe_pool pp = {0};
+  int failed = threads < 1 || threads > 256 || reps < 1 ? 0 : probe_pool_init(&pp, pool, PAGE, 4 * threads);
+  if (threads < 1 || threads > 256 || reps < 1 || pp.pages < 8 * threads) {
     fprintf(stderr, "usage: %s [pool_MiB >= 64] [threads 1..256] [reps >= 1]\n", argv[0]);
     return 2;
   }
-  char *k = aligned_alloc((size_t)huge, (size_t)half), *v = aligned_alloc((size_t)huge, (size_t)half);
-  int64_t *order = malloc((size_t)pages * sizeof *order);
   double *t = malloc((size_t)MODES * (size_t)reps * sizeof *t);
-  if (!k || !v || !order || !t) {
+  if (failed || !t) {
     fprintf(stderr, "out of memory\n");
     return 1;
   }
-  int advised = madvise(k, (size_t)half, MADV_HUGEPAGE) == 0 && madvise(v, (size_t)half, MADV_HUGEPAGE) == 0;
-  memset(k, 1, (size_t)half); /* every page mapped before timing */
-  memset(v, 1, (size_t)half);
-  srand(1);
-  for (int64_t i = 0; i < pages; i++) order[i] = i;
-  for (int64_t i = pages - 1; i > 0; i--) {
-    int64_t r = rand() % (i + 1), x = order[i];
-    order[i] = order[r], order[r] = x;
-  }
+  const char *k = pp.k, *v = pp.v;
+  const int64_t half = pp.half, pages = pp.pages, *order = pp.order;
+  const int advised = pp.advised;
   volatile float sink = 0;
   for (int r = 0; r < reps; r++)
     for (int m = 0; m < MODES; m++) {
       int mode = (m + r) % MODES; /* rotate who goes first */
-      double t0 = now();
+      double t0 = probe_now();
 #pragma omp parallel num_threads(threads)
       {
         int id = omp_get_thread_num(), n = omp_get_num_threads();
@@ -190,14 +168,14 @@ int main(int argc, char **argv) {
 #pragma omp atomic
         sink += s;
       }
-      t[mode * reps + r] = now() - t0;
+      t[mode * reps + r] = probe_now() - t0;
     }
   printf("pool %lld MiB (K + V, %lld pages of 32 KB each), %d threads, %d reps, huge pages %s\n",
          (long long)(2 * half >> 20), (long long)pages, threads, reps, advised ? "advised" : "refused");
   double base = 0;
   for (int m = 0; m < MODES; m++) {
     double *tm = t + m * reps, bytes = (double)(m == SEQUENTIAL || m >= TILE_MEMORY ? 2 * pages * PAGE : pages * PAGE);
-    qsort(tm, (size_t)reps, sizeof *tm, cmp_double);
+    qsort(tm, (size_t)reps, sizeof *tm, probe_cmp_double);
     double gbps = bytes / tm[reps / 2] / 1e9;
     if (m == SEQUENTIAL) base = gbps;
     printf("%-20s median %6.2f GB/s (best %6.2f, worst %6.2f)  %5.1f%% of sequential\n", names[m], gbps,
