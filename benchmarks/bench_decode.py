@@ -251,7 +251,7 @@ def warm_rates(args):
     time less CALL_CASE's (the call's fixed cost) over the key-heads between them, the six calls
     interleaved for WARM_ROUNDS rounds. What each decode's arithmetic costs per key when its bytes come
     from the caches, at the machine's best in those rounds: on the 2-core Zen 4 EPYC the medians of
-    such rounds moved 22 -> 39 ns from one second to the next (its L3 and cores are shared), the
+    such rounds moved 22 -> 39 ns from one second to the next (a shared machine), the
     fastest 21 -> 31."""
     cands = {}
     for case in (WARM_CASE, CALL_CASE):
