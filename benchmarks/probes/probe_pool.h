@@ -1,10 +1,12 @@
 /* What the paged-pool probes (tile_read.c, overlap_read.c) share: a K and a V pool of 32 KB pages on
  * 2 MiB-aligned, huge-page-advised memory (as pagedkv.host_alloc allocates caches), mapped before
- * timing, a random page order (a seeded shuffle: a random page table), and their timing helpers. */
+ * timing, a random page order (a seeded shuffle: a random page table), and the timed rounds of their
+ * modes on OpenMP threads (compile with -fopenmp). */
 #ifndef PROBE_POOL_H
 #define PROBE_POOL_H
 
 #define _GNU_SOURCE
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +44,33 @@ static int probe_pool_init(probe_pool *pool, int64_t pool_bytes, int64_t page_by
     pool->order[i] = pool->order[r], pool->order[r] = x;
   }
   return 0;
+}
+
+/* One mode's walk by one thread over its share of the pages, [lo, hi) of the order; returns a sum that
+ * keeps the reads alive. */
+typedef float (*probe_walk)(const probe_pool *pool, int mode, int64_t lo, int64_t hi, int thread);
+
+static double probe_now(void);
+
+/* seconds[mode * reps + r]: `reps` rounds of every mode, who goes first rotating, each call on `threads`
+ * OpenMP threads, each thread a contiguous share of the page order (a multiple of 4 pages). */
+static void probe_time_modes(const probe_pool *pool, int modes, int reps, int threads, probe_walk walk, double *seconds) {
+  volatile float sink = 0;
+  for (int r = 0; r < reps; r++)
+    for (int m = 0; m < modes; m++) {
+      int mode = (m + r) % modes;
+      double t0 = probe_now();
+#pragma omp parallel num_threads(threads)
+      {
+        int id = omp_get_thread_num(), n = omp_get_num_threads();
+        int64_t lo = pool->pages * id / n / 4 * 4, hi = id + 1 == n ? pool->pages : pool->pages * (id + 1) / n / 4 * 4;
+        float s = walk(pool, mode, lo, hi, id);
+#pragma omp atomic
+        sink += s;
+      }
+      seconds[mode * reps + r] = probe_now() - t0;
+    }
+  (void)sink;
 }
 
 static double probe_now(void) {
