@@ -49,6 +49,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// ---- 2^x for softmax probabilities ----
+// One MUFU.EX2. exp2f (no fast-math) wraps the same instruction in a compare, a halving and a
+// squaring so that x < -126 gives a denormal: three extra instructions per probability in the
+// attention loops. Here x < -126 gives 0 (the CPU kernels' exp2 flushes those too); every other
+// x, -inf (0), +inf and NaN give exactly what exp2f gives.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- ragged batch: the row b whose [offsets[b], offsets[b+1]) holds `row` ----
 // Returns -1 when no row holds it (padding rows, or offsets that are not
 // monotone: kernels skip such rows rather than trust the values).

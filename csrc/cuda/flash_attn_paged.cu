@@ -603,13 +603,13 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[i], mx);
         const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row that saw nothing yet
-        const float alpha = exp2f(row_max[i] - m_use);
+        const float alpha = exp2_ftz(row_max[i] - m_use);
         row_max[i] = m_new;
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-          s[nt][2 * i] = exp2f(s[nt][2 * i] - m_use);
-          s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - m_use);
+          s[nt][2 * i] = exp2_ftz(s[nt][2 * i] - m_use);
+          s[nt][2 * i + 1] = exp2_ftz(s[nt][2 * i + 1] - m_use);
           sum += s[nt][2 * i] + s[nt][2 * i + 1];
         }
         row_sum[i] = row_sum[i] * alpha + sum;
