@@ -476,6 +476,31 @@ def strided_index_tensors(batch: Batch, device):
 # Tolerances
 
 
+def rising_scores(qdt, step, device="cpu"):
+    """Scores that rise tile after tile (64 keys per tile) by `step` natural-log units per tile: the
+    running maximum moves by less than the kernels' lazy-rescale slack (2^8) per tile for small steps
+    and by far more for large ones; both must match the float64 softmax. Rows: one decode token and a
+    prefill chunk of 40 tokens, over 300 cached keys, 16-slot pages, bf16 cache. Built on the CPU
+    (the same values on every device), returned on `device`."""
+    gen = torch.Generator().manual_seed(13)
+    p, hk, gqa, d, cached, new = 16, 2, 4, 64, 300, [1, 40]
+    b, total = len(new), [cached + n for n in new]
+    pages = max((t + p - 1) // p for t in total)
+    table = torch.randperm(b * pages, generator=gen).to(torch.int32).view(b, pages)
+    direction = torch.randn(d, generator=gen)
+    direction /= direction.norm()
+    q = torch.randn(sum(new), hk * gqa, d, generator=gen) * 0.1 + direction * math.sqrt(d)
+    k = torch.randn(b * pages, p, hk, d, generator=gen) * 0.1
+    v = torch.randn(b * pages, p, hk, d, generator=gen)
+    for row in range(b):  # key position j scores about step * j / 64 (q.k / sqrt(d))
+        pos = torch.arange(pages * p, dtype=torch.float32).view(pages, p, 1, 1)
+        k[table[row].long()] += direction * (step * pos / 64)
+    offsets = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    lengths = torch.full((b,), cached, dtype=torch.int32)
+    tensors = (q.to(qdt), offsets, k.to(torch.bfloat16), v.to(torch.bfloat16), lengths, table)
+    return tuple(t.to(device) for t in tensors)
+
+
 def effective_q_dtype(q_dtype: torch.dtype, device, q16_on_cuda: bool = False) -> torch.dtype:
     """The query precision a kernel attends with. q16_on_cuda: the op is dense attention, whose CUDA
     kernels run float32 queries through a 16-bit copy (bf16 or the cache's float16), so their accuracy

@@ -26,6 +26,7 @@ import tempfile
 
 import pytest
 import torch
+from conftest import rising_scores
 
 HEAD_SIZES = [64, 80, 96, 128, 256]
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -251,28 +252,6 @@ def special_split_decode(qdt):
     q = torch.randn(1, hk * gqa, d, generator=gen).to(qdt)
     offsets = torch.tensor([0, 1], dtype=torch.int32)
     return q, offsets, k, v, torch.tensor([cached], dtype=torch.int32), table
-
-
-def rising_scores(qdt, step):
-    """Scores that rise tile after tile (64 keys per tile) by `step` natural-log units per tile: the
-    running maximum moves by less than the kernels' lazy-rescale slack (2^8) per tile for small steps
-    and by far more for large ones; both must match the float64 softmax. Rows: one decode token and a
-    prefill chunk of 40 tokens, over 300 cached keys, 16-slot pages, bf16 cache."""
-    gen = torch.Generator().manual_seed(13)
-    p, hk, gqa, d, cached, new = 16, 2, 4, 64, 300, [1, 40]
-    b, total = len(new), [cached + n for n in new]
-    pages = max((t + p - 1) // p for t in total)
-    table = torch.randperm(b * pages, generator=gen).to(torch.int32).view(b, pages)
-    direction = torch.randn(d, generator=gen)
-    direction /= direction.norm()
-    q = torch.randn(sum(new), hk * gqa, d, generator=gen) * 0.1 + direction * math.sqrt(d)
-    k = torch.randn(b * pages, p, hk, d, generator=gen) * 0.1
-    v = torch.randn(b * pages, p, hk, d, generator=gen)
-    for row in range(b):  # key position j scores about step * j / 64 (q.k / sqrt(d))
-        pos = torch.arange(pages * p, dtype=torch.float32).view(pages, p, 1, 1)
-        k[table[row].long()] += direction * (step * pos / 64)
-    offsets = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
-    return q.to(qdt), offsets, k.to(torch.bfloat16), v.to(torch.bfloat16), torch.full((b,), cached, dtype=torch.int32), table
 
 
 RISING = [(qdt, step) for qdt in (torch.float32, torch.bfloat16) for step in (1.0, 4.0, 60.0)]

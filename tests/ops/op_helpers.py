@@ -28,6 +28,7 @@ from conftest import (
     poison_,
     ragged_inputs,
     randn,
+    rising_scores,
     seed_from,
     strided_index_tensors,
     supported_or_skip,
@@ -62,7 +63,7 @@ __all__ = [
     "CACHE_DTYPES", "CUDA_ONLY", "DEVICES", "FLOAT_DTYPES", "FP8_DTYPES", "LAYOUTS",
     "assert_attention_close", "assert_bytes_equal", "assert_lse_close", "dtype_name", "effective_q_dtype",
     "fill_history",
-    "generator", "make_paged_kv", "make_setup", "poison_", "ragged_inputs", "randn", "seed_from",
+    "generator", "make_paged_kv", "make_setup", "poison_", "ragged_inputs", "randn", "rising_scores", "seed_from",
     "strided_index_tensors", "supported_or_skip",
     # error_cases
     "D", "G", "HK", "P", "_with", "expect_error", "ids", "index_errors", "set_", "setup_call", "strided_last",

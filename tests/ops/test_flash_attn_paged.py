@@ -152,11 +152,13 @@ def test_flash_attn_paged_ignores_nan_outside_window(device, cache_dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
-def test_flash_attn_paged_large_logits(device, q_dtype, softcap):
-    """Scores in the hundreds: the softmax must subtract the running maximum."""
-    gen = generator(seed_from("large-logits", str(q_dtype), softcap))
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_flash_attn_paged_large_logits(device, q_dtype, softcap, cache_dtype):
+    """Scores in the hundreds: the softmax must subtract the running maximum (bf16 caches too, which
+    the CUDA kernels take: they do not implement float32 caches)."""
+    gen = generator(seed_from("large-logits", str(q_dtype), softcap, str(cache_dtype)))
     kv, batch = make_setup(gen, [(50, 3), (0, 7), (130, 1)], layout="collection", page_size=16,
-                           num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
+                           num_kv_heads=2, head_dim=64, dtype=cache_dtype, device=device)
     fill_history(gen, kv, batch)
     q = randn(gen, (batch.num_tokens, 4, 64), q_dtype, device, scale=300.0)
     args = (batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths,
@@ -164,6 +166,24 @@ def test_flash_attn_paged_large_logits(device, q_dtype, softcap):
     out = supported_or_skip(device, pagedkv.flash_attn_paged, q, *args, softcap=softcap)
     expected = ref.flash_attn_paged(q.double(), *args, softcap=softcap)
     assert_attention_close(out, expected, q_dtype, "large logits", q16_on_cuda=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype, step", [(torch.float32, 4.0), (torch.bfloat16, 4.0), (torch.bfloat16, 100.0),
+                                           (torch.bfloat16, 300.0)], ids=lambda x: str(x).replace("torch.", ""))
+def test_flash_attn_paged_scores_rising_past_the_float_range(device, q_dtype, step):
+    """Scores rising by `step` natural-log units per 64 keys (conftest.rising_scores: a decode token and a
+    40-token chunk over 300 cached keys, bf16 cache). From 100 on, each tile's maximum is more than 126
+    (log2 units) above the last, so the rescale factor of everything before it falls below 2^-126, as do
+    most probabilities inside a tile: the kernels flush those to 0 (CPU exp2, CUDA ex2.approx.ftz)
+    where float64 keeps them, which must not show against the reference. Those steps run with bf16
+    queries only: scores reach 500-1600, where float32's own rounding of q.k (~1e-7 of the score)
+    alone moves the output by more than the float32 tolerance (1e-5)."""
+    args = rising_scores(q_dtype, step, device)
+    out = supported_or_skip(device, pagedkv.flash_attn_paged, *args)
+    cpu_args = [t.cpu() for t in args]
+    expected = ref.flash_attn_paged(cpu_args[0].double(), *cpu_args[1:])
+    assert_attention_close(out, expected, q_dtype, f"scores rising {step} per tile", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
