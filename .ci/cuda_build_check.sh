@@ -5,7 +5,8 @@
 #      Python, which keeps its CPU torch), build pagedkv with PAGEDKV_BUILD=cuda there, import
 #      it (works without a GPU) and check that the CUDA kernels are registered.
 #  (b) Otherwise compile every csrc/cuda/*.cu with nvcc for sm_80, sm_90a and sm_100a.
-#  Then, either way, check that the sm_100a code really contains the TMA gather4 load: grep
+#  Then, either way, build and run the host checks of the tile index math (tests/cuda_host), and
+#  check that the sm_100a code really contains the TMA gather4 load: grep
 #  the PTX for tile::gather4, and count the UTMALDG words with the gather4 mode bit in the
 #  sm_100a cubin (.ci/sass_tma_count.py decodes the ELF; cuobjdump is not installed here);
 #  and that flash_attn_paged_sparse's tiled kernels hold their loader's instructions:
@@ -155,6 +156,19 @@ nvcc) check_nvcc_compile ;;
   fi
   ;;
 esac
+
+# ---------------------------------------------------------------- host checks of the tile index math
+# tests/cuda_host/test_*.cu: host programs over csrc/cuda's __host__ __device__ index helpers (the
+# device code in the headers is compiled for sm_90a and never run)
+for t in "$ROOT"/tests/cuda_host/test_*.cu; do
+  exe="$WORK/$(basename "$t" .cu)"
+  if nvcc "${NVCC_FLAGS[@]}" -gencode=arch=compute_90a,code=sm_90a -I"$ROOT/csrc/cuda" "$t" -o "$exe" &&
+    "$exe" | sed "s/^/    /"; then
+    say "$(basename "$t"): passed"
+  else
+    fail "$(basename "$t")"
+  fi
+done
 
 # ---------------------------------------------------------------- gather4 really in the sm_100a code
 say "checking the sm_100a code for TMA gather4"

@@ -157,6 +157,10 @@ OTHER_PATHS = {
     "rows_ahead": {"PAGEDKV_CUDA_ROWS_AHEAD": "1"},
     "spread_rows_ahead": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1", "PAGEDKV_CUDA_ROWS_AHEAD": "1"},
 }
+# opt-in paths of prefill-like calls, timed beside the default prefill
+PREFILL_PATHS = {
+    "rows32": {"PAGEDKV_CUDA_PREFILL_ROWS32": "1"},
+}
 
 
 def bench_decode(timer, cfg, ceil):
@@ -259,6 +263,10 @@ def bench_prefill(timer, cfg, ceil):
     flops = 4 * hq * d * visible
     res = {"op": "prefill", **cfg, "pagedkv_s": t, "flops": flops, "tflops": flops / t / 1e12,
            "frac_of_matmul": flops / t / ceil["bf16_matmul_flops"]}
+    for name, env in PREFILL_PATHS.items():
+        if not any(k in os.environ for k in env):
+            with env_switches(env):
+                res[f"{name}_s"] = timer(run)
     kc, vc = contiguous_kv(pool, b, hk, d)
     q4 = q.view(b, L, hq, d).transpose(1, 2)
     if prefix == 0:
@@ -438,7 +446,9 @@ def write_results(out, meta, ceil, rows):
                         f"{fmt(r.get('gather_sdpa_s'))} | {fmt(r.get('flex_paged_s'))} |\n")
             elif r["op"] == "prefill":
                 f.write(f"| {r['id']} | prefill | B={r['B']} L={r['L']} {r['Hq']}/{r['Hk']} prefix={r.get('prefix', 0)} "
-                        f"| {fmt(r['pagedkv_s'], 1e3, 'ms')} | - | {r['tflops']:.0f} TFLOP/s | "
+                        f"| {fmt(r['pagedkv_s'], 1e3, 'ms')}"
+                        + "".join(f" ({n} {fmt(r[n + '_s'], 1e3, 'ms')})" for n in PREFILL_PATHS if r.get(n + "_s"))
+                        + f" | - | {r['tflops']:.0f} TFLOP/s | "
                         f"{fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')} | - | - |\n")
             elif r["op"] == "sparse":
                 bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
@@ -484,7 +494,8 @@ def main():
         rows.append(r)
         write_results(args.out, meta, ceil, rows)
         print(f"{r['id']:8s} prefill B={r['B']} L={r['L']} Hk={r['Hk']} prefix={r.get('prefix', 0)} "
-              f"{fmt(r['pagedkv_s'], 1e3, 'ms')} {r['tflops']:.0f} TFLOP/s | sdpa {fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')}",
+              f"{fmt(r['pagedkv_s'], 1e3, 'ms')} {r['tflops']:.0f} TFLOP/s | sdpa {fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')}"
+              + "".join(f" | {n} {fmt(r[n + '_s'], 1e3, 'ms')}" for n in PREFILL_PATHS if r.get(n + "_s")),
               flush=True)
     for cfg in sl:
         r = bench_store_load(timer, cfg, ceil)

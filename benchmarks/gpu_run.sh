@@ -124,7 +124,7 @@ if want test; then
   has_module pytest_timeout && PAR+=(--timeout "${GPU_TEST_TIMEOUT:-180}")
   # the opt-in kernel paths first, on their own short limit: a wrong mbarrier count there hangs a kernel,
   # and the whole suite must not spend the device time waiting on it; the suite then leaves them out
-  OPT_IN="warp_sync or k_fragments or spread_issue or rows_ahead or opt_in_paths or nan_before_every_window"
+  OPT_IN="warp_sync or k_fragments or spread_issue or rows_ahead or prefill_rows32 or opt_in_paths or nan_before_every_window"
   log "tests of the opt-in paths: -k '$OPT_IN' (limit ${GPU_T_OPT_IN:-90}s)"
   OMP_NUM_THREADS=2 timeout "${GPU_T_OPT_IN:-90}" $PY -m pytest tests/ops/test_flash_attn_paged_kernel_paths.py -v \
     -rfEs -p no:cacheprovider -k "$OPT_IN" "${PAR[@]}" >"$OUT/pytest.txt" 2>&1

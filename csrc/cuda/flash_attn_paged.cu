@@ -307,28 +307,37 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // quarter of each K/V tile's keys, with its own softmax state, and the warps' states are folded
   // together once at the end. Block-uniform. Needs >= 16 keys per warp (one PV k-step).
   constexpr int kWarps = kAttnThreads / kWarp;
-  constexpr bool kKeySplitFits = BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
+  // kMB 16-row m-blocks per warp: 1 (64-row tiles), or 2 (128-row tiles, PAGEDKV_CUDA_PREFILL_ROWS32: every
+  // K/V fragment read from shared memory feeds two MMAs, and a tile's fixed costs serve twice the rows)
+  constexpr int kMB = BM / (kWarps * 16);
+  static_assert(kMB * kWarps * 16 == BM && (kMB == 1 || kMB == 2), "query tile rows");
+  constexpr bool kKeySplitFits = kMB == 1 && BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
   const bool key_split = kKeySplitFits && p.key_split && tile_rows <= 16;
-  const int qrow0 = key_split ? 0 : warp * 16;  // first packed row of this warp's 16
+  // first packed row of m-block mb of this warp (key split: every warp takes rows 0-15)
+  auto qrow0 = [&](int mb) { return key_split ? 0 : (warp * kMB + mb) * 16; };
   const bool spread_issue = kLoader == PKV_LOADER_TMA_PAGES && p.spread_issue;  // block-uniform
 
-  // ---- per-thread query rows: r0 = qrow0 + lane/4 and r1 = r0 + 8 ----
-  int64_t lo_r[2], hi_r[2];
-  bool valid_r[2];
+  // ---- per-thread query rows of m-block mb: r0 = qrow0(mb) + lane/4 and r1 = r0 + 8 ----
+  int64_t lo_r[kMB][2], hi_r[kMB][2];
+  bool valid_r[kMB][2];
+  float o[kMB][D / 8][4];
+  float row_max[kMB][2], row_sum[kMB][2];
 #pragma unroll
-  for (int i = 0; i < 2; i++) {
-    const int r = qrow0 + (lane >> 2) + 8 * i;
-    valid_r[i] = r < tile_rows;
-    const int64_t pos = cached + (tile_first + (valid_r[i] ? r : 0)) / p.group;
-    pkv_visible_keys(pos, total, p.causal, p.window_left, &lo_r[i], &hi_r[i]);
-    if (!valid_r[i]) hi_r[i] = lo_r[i];  // sees nothing
+  for (int mb = 0; mb < kMB; mb++) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int r = qrow0(mb) + (lane >> 2) + 8 * i;
+      valid_r[mb][i] = r < tile_rows;
+      const int64_t pos = cached + (tile_first + (valid_r[mb][i] ? r : 0)) / p.group;
+      pkv_visible_keys(pos, total, p.causal, p.window_left, &lo_r[mb][i], &hi_r[mb][i]);
+      if (!valid_r[mb][i]) hi_r[mb][i] = lo_r[mb][i];  // sees nothing
+      row_max[mb][i] = -INFINITY;
+      row_sum[mb][i] = 0.0f;
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++) o[mb][dt][0] = o[mb][dt][1] = o[mb][dt][2] = o[mb][dt][3] = 0.0f;
   }
-  const bool warp_active = key_split || warp * 16 < tile_rows;
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const bool warp_active = key_split || warp * kMB * 16 < tile_rows;
 
   const int64_t num_pages = p.k.num_pages;
   auto fill_rows = [&](int it) -> int {
@@ -340,8 +349,9 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // barrier (A), so every tile waits on a global load there. Instead thread t < BN follows its key from
   // tile to tile with a cursor (page-table column and slot advance by BN / P and BN % P: one division
   // per CTA) and loads the next tile's entry into a register right after (A), a whole tile before (A)
-  // publishes it. The same rows as fill_tile_row. Not for D 256, whose FP8 kernels would spill.
-  const bool rows_ahead = D <= 128 && p.rows_ahead != 0;
+  // publishes it. The same rows as fill_tile_row. Not for D 256, whose FP8 kernels would spill, nor with
+  // two m-blocks per warp (their registers are full).
+  const bool rows_ahead = D <= 128 && kMB == 1 && p.rows_ahead != 0;
   int64_t ahead_key = 0;
   int32_t ahead_col = 0, ahead_slot = 0, ahead_id = -1;  // a table column and a slot fit 32 bits
   const int32_t col_step = static_cast<int32_t>(BN / page_size), slot_step = static_cast<int32_t>(BN % page_size);
@@ -534,15 +544,26 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     auto tile_math = [&](auto nt_tag, int kcol0) {
       constexpr int NT = decltype(nt_tag)::value;
       const int64_t k0 = (my_begin + it) * BN + kcol0;
-      float s[NT][4];
+      float s[kMB][NT][4];
 #pragma unroll
-      for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+      for (int mb = 0; mb < kMB; mb++)
+#pragma unroll
+        for (int i = 0; i < NT; i++) s[mb][i][0] = s[mb][i][1] = s[mb][i][2] = s[mb][i][3] = 0.0f;
+      // ldmatrix: lane l gives the row address of matrix l / 8 (swizzle_lane_base / swizzle_step: tile_elem_offset
+      // at each k-step, one XOR each): Q rows + 8 for matrices 1, 3 and channels + 8 for 2, 3; K keys + 8 for
+      // 2, 3 and channels + 8 for 1, 3; V keys + 8 for 1, 3 and channels + 8 for 2, 3
+      const int m = lane >> 3;
+      uint32_t q_lane[kMB];
+#pragma unroll
+      for (int mb = 0; mb < kMB; mb++) q_lane[mb] = swizzle_lane_base(smem_u32(sq), qrow0(mb) + (m & 1) * 8 + (lane & 7), m >> 1);
+      const uint32_t k_lane = swizzle_lane_base(smem_u32(ks), kcol0 + (m >> 1) * 8 + (lane & 7), m & 1);
+      const uint32_t v_lane = swizzle_lane_base(smem_u32(vs), kcol0 + (m & 1) * 8 + (lane & 7), m >> 1);
       // S = Q K^T
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t a[4];
-        const int m = lane >> 3;
-        ldmatrix_x4(a, sq + tile_elem_offset<2>(qrow0 + (m & 1) * 8 + (lane & 7), kk * 16 + (m >> 1) * 8, BM));
+        uint32_t a[kMB][4];
+#pragma unroll
+        for (int mb = 0; mb < kMB; mb++) ldmatrix_x4_at(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
           uint32_t bf[4];
@@ -557,84 +578,95 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
               bf[x] = pack2<T>(f.x, f.y);
             }
           } else {
-            ldmatrix_x4(bf, ks + tile_elem_offset<2>(kcol0 + nt * 8 + (m >> 1) * 8 + (lane & 7),
-                                                     kk * 16 + (m & 1) * 8, BN));
+            ldmatrix_x4_at(bf, swizzle_step(k_lane, 2 * kk, BN) + nt * 8 * 128);
           }
-          mma_16816<T>(s[nt], a, bf[0], bf[1]);
-          mma_16816<T>(s[nt + 1], a, bf[2], bf[3]);
+#pragma unroll
+          for (int mb = 0; mb < kMB; mb++) {
+            mma_16816<T>(s[mb][nt], a[mb], bf[0], bf[1]);
+            mma_16816<T>(s[mb][nt + 1], a[mb], bf[2], bf[3]);
+          }
         }
       }
-      if (kFp8 && k_fragments) {  // each key's scale (0 for a masked key, whose score is masked below)
+      // P as the A operand of P V, m-block by m-block: packed to 16 bits as soon as a block's softmax is
+      // done, so that with two m-blocks the second's float scores are the only ones live beside it
+      uint32_t pa[kMB][NT / 2][4];
+#pragma unroll
+      for (int mb = 0; mb < kMB; mb++) {
+        if (kFp8 && k_fragments) {  // each key's scale (0 for a masked key, whose score is masked below)
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[mb][nt][e] *= k_row_scales[kcol0 + nt * 8 + 2 * (lane & 3) + (e & 1)];
+        }
+        // scale, softcap, mask (log2 domain)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-          for (int e = 0; e < 4; e++) s[nt][e] *= k_row_scales[kcol0 + nt * 8 + 2 * (lane & 3) + (e & 1)];
-      }
-      // scale, softcap, mask (log2 domain)
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          float x = s[nt][e] * p.score_scale;
-          if (p.softcap_log2 > 0.0f) x = tanhf(x) * p.softcap_log2;
-          s[nt][e] = x;
-        }
-#pragma unroll
-      for (int i = 0; i < 2; i++) {
-        const bool full = k0 >= lo_r[i] && k0 + NT * 8 <= hi_r[i] && masked_here == 0;
-        if (full) continue;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-          for (int e = 0; e < 2; e++) {
-            const int col = nt * 8 + 2 * (lane & 3) + e;
-            const int64_t key = k0 + col;
-            const bool visible = key >= lo_r[i] && key < hi_r[i] && rows[kcol0 + col].page >= 0;
-            if (!visible) s[nt][2 * i + e] = -INFINITY;
+          for (int e = 0; e < 4; e++) {
+            float x = s[mb][nt][e] * p.score_scale;
+            if (p.softcap_log2 > 0.0f) x = tanhf(x) * p.softcap_log2;
+            s[mb][nt][e] = x;
           }
-      }
-      // online softmax: rows r0 (i = 0) and r1 (i = 1) of this thread
 #pragma unroll
-      for (int i = 0; i < 2; i++) {
-        float mx = -INFINITY;
+        for (int i = 0; i < 2; i++) {
+          const bool full = k0 >= lo_r[mb][i] && k0 + NT * 8 <= hi_r[mb][i] && masked_here == 0;
+          if (full) continue;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_max[i], mx);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row that saw nothing yet
-        const float alpha = exp2_ftz(row_max[i] - m_use);
-        row_max[i] = m_new;
-        float sum = 0.0f;
+          for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-          s[nt][2 * i] = exp2_ftz(s[nt][2 * i] - m_use);
-          s[nt][2 * i + 1] = exp2_ftz(s[nt][2 * i + 1] - m_use);
-          sum += s[nt][2 * i] + s[nt][2 * i + 1];
+            for (int e = 0; e < 2; e++) {
+              const int col = nt * 8 + 2 * (lane & 3) + e;
+              const int64_t key = k0 + col;
+              const bool visible = key >= lo_r[mb][i] && key < hi_r[mb][i] && rows[kcol0 + col].page >= 0;
+              if (!visible) s[mb][nt][2 * i + e] = -INFINITY;
+            }
         }
-        row_sum[i] = row_sum[i] * alpha + sum;
+        // online softmax: rows r0 (i = 0) and r1 (i = 1) of this thread in m-block mb
 #pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
-          o[dt][2 * i] *= alpha;
-          o[dt][2 * i + 1] *= alpha;
+        for (int i = 0; i < 2; i++) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[mb][nt][2 * i], s[mb][nt][2 * i + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(row_max[mb][i], mx);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row that saw nothing yet
+          const float alpha = exp2_ftz(row_max[mb][i] - m_use);
+          row_max[mb][i] = m_new;
+          float sum = 0.0f;
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++) {
+            s[mb][nt][2 * i] = exp2_ftz(s[mb][nt][2 * i] - m_use);
+            s[mb][nt][2 * i + 1] = exp2_ftz(s[mb][nt][2 * i + 1] - m_use);
+            sum += s[mb][nt][2 * i] + s[mb][nt][2 * i + 1];
+          }
+          row_sum[mb][i] = row_sum[mb][i] * alpha + sum;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; dt++) {
+            o[mb][dt][2 * i] *= alpha;
+            o[mb][dt][2 * i + 1] *= alpha;
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; kk++) {
+          pa[mb][kk][0] = pack2<T>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+          pa[mb][kk][1] = pack2<T>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+          pa[mb][kk][2] = pack2<T>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+          pa[mb][kk][3] = pack2<T>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
         }
       }
-      // O += P V (P reused from the S accumulators as the A operand)
+      // O += P V
 #pragma unroll
       for (int kk = 0; kk < NT / 2; kk++) {
-        uint32_t a[4];
-        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        const int m = lane >> 3;
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
           uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vs + tile_elem_offset<2>(kcol0 + kk * 16 + (m & 1) * 8 + (lane & 7),
-                                                         dt * 8 + (m >> 1) * 8, BN));
-          mma_16816<T>(o[dt], a, bf[0], bf[1]);
-          mma_16816<T>(o[dt + 1], a, bf[2], bf[3]);
+          ldmatrix_x4_trans_at(bf, swizzle_step(v_lane, dt, BN) + kk * 16 * 128);
+#pragma unroll
+          for (int mb = 0; mb < kMB; mb++) {
+            mma_16816<T>(o[mb][dt], pa[mb][kk], bf[0], bf[1]);
+            mma_16816<T>(o[mb][dt + 1], pa[mb][kk], bf[2], bf[3]);
+          }
         }
       }
     };
@@ -644,7 +676,16 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         continue;
       }
     }
-    if (warp_active) tile_math(IntTag<BN / 8>{}, 0);
+    if constexpr (kMB == 2) {
+      // two m-blocks' scores over a whole tile (64 floats) beside their output fragments (D / 2 each)
+      // spill at D 128: take the tile's keys in two halves, each with its own softmax step
+      if (warp_active) {
+        tile_math(IntTag<BN / 16>{}, 0);
+        tile_math(IntTag<BN / 16>{}, BN / 2);
+      }
+    } else if (warp_active) {
+      tile_math(IntTag<BN / 8>{}, 0);
+    }
   }
 
   // ---- key split: fold warps 1-3's softmax states (same rows, other keys) into warp 0's ----
@@ -652,7 +693,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     if (key_split) {
       static_assert((kWarps - 1) * (D / 2 + 4) * kWarp * 4 <= 4 * L::kRawTileBytes, "fold fits the K/V stages");
       __syncthreads();  // every warp is done reading its last tile: the K/V stages are free
-      fold_warp_states<D, kWarps>(reinterpret_cast<float *>(sraw), warp, lane, o, row_max, row_sum);
+      fold_warp_states<D, kWarps>(reinterpret_cast<float *>(sraw), warp, lane, o[0], row_max[0], row_sum[0]);
       if (warp > 0) return;
     }
   }
@@ -660,44 +701,52 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // ---- epilogue: normalise and write (or write the split's partial) ----
   if (!warp_active) return;
 #pragma unroll
-  for (int i = 0; i < 2; i++) {
-    float l = row_sum[i];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (!valid_r[i]) continue;
-    const int r = warp * 16 + (lane >> 2) + 8 * i;
-    const int64_t gp = tile_first + r;
-    const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
-    if (p.num_splits == 1) {
-      // the sink joins here; a NaN sum (a NaN or +inf score) stays NaN (pkv_softmax_finish)
-      float inv, lse;
-      pkv_softmax_finish(row_max[i], l, p.sinks ? p.sinks[head * p.sinks_stride] : -INFINITY, &inv, &lse);
-      if (p.lse && (lane & 3) == 0) p.lse[row * p.lse_stride_row + head * p.lse_stride_head] = lse;
-      T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
+  for (int mb = 0; mb < kMB; mb++)
 #pragma unroll
-      for (int dt = 0; dt < D / 8; dt++)
-        store_pair<T>(dst + dt * 8 + 2 * (lane & 3), o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv, p.out_aligned);
-    } else {
-      // a split's partial: its own normalisation (the sink joins once, in the combine); a NaN
-      // sum stays NaN in both so the combine cannot drop it
-      const float inv = l > 0.0f ? 1.0f / l : (l == l ? 0.0f : NAN);
-      const int64_t hq = p.q.num_heads;
-      const int64_t idx = (split * p.num_rows + row) * hq + head;
-      float *dst = p.partial_out + idx * D;
+    for (int i = 0; i < 2; i++) {
+      float l = row_sum[mb][i];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (!valid_r[mb][i]) continue;
+      const int r = qrow0(mb) + (lane >> 2) + 8 * i;
+      const int64_t gp = tile_first + r;
+      const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
+      if (p.num_splits == 1) {
+        // the sink joins here; a NaN sum (a NaN or +inf score) stays NaN (pkv_softmax_finish)
+        float inv, lse;
+        pkv_softmax_finish(row_max[mb][i], l, p.sinks ? p.sinks[head * p.sinks_stride] : -INFINITY, &inv, &lse);
+        if (p.lse && (lane & 3) == 0) p.lse[row * p.lse_stride_row + head * p.lse_stride_head] = lse;
+        T *dst = static_cast<T *>(p.out.data) + row * p.out.stride_row + head * p.out.stride_head;
 #pragma unroll
-      for (int dt = 0; dt < D / 8; dt++)
-        *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * (lane & 3)) =
-            make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
-      if ((lane & 3) == 0) p.partial_lse[idx] = l > 0.0f ? row_max[i] + log2f(l) : (l == l ? -INFINITY : NAN);
+        for (int dt = 0; dt < D / 8; dt++)
+          store_pair<T>(dst + dt * 8 + 2 * (lane & 3), o[mb][dt][2 * i] * inv, o[mb][dt][2 * i + 1] * inv,
+                        p.out_aligned);
+      } else {
+        // a split's partial: its own normalisation (the sink joins once, in the combine); a NaN
+        // sum stays NaN in both so the combine cannot drop it
+        const float inv = l > 0.0f ? 1.0f / l : (l == l ? 0.0f : NAN);
+        const int64_t hq = p.q.num_heads;
+        const int64_t idx = (split * p.num_rows + row) * hq + head;
+        float *dst = p.partial_out + idx * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+          *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * (lane & 3)) =
+              make_float2(o[mb][dt][2 * i] * inv, o[mb][dt][2 * i + 1] * inv);
+        if ((lane & 3) == 0)
+          p.partial_lse[idx] = l > 0.0f ? row_max[mb][i] + log2f(l) : (l == l ? -INFINITY : NAN);
+      }
     }
-  }
 }
 
 // The explicit minimum of one CTA per SM matters: without it ptxas held the bf16 D 128 kernel to 172
 // registers instead of 201 (two CTAs per SM either way, by shared memory), and page-16 decode ran
-// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27)
+// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27). The 16-bit D 64 kernels
+// with 64-row tiles are the exception: shared memory lets five CTAs share an SM and 168 registers let
+// three, which ptxas met unasked (167) until the ldmatrix addresses of 2026-11-28 took it to 169.
+constexpr int attn_min_ctas(int d, bool fp8, int bm) { return d == 64 && !fp8 && bm == kAttnRowsM ? 3 : 1; }
+
 template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
-__global__ void __launch_bounds__(kAttnThreads, 1)
+__global__ void __launch_bounds__(kAttnThreads, attn_min_ctas(D, kFp8, kBM))
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
@@ -795,6 +844,20 @@ cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader,
   case 96: return dispatch_loader<96, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
   case 128: return dispatch_loader<128, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
   case 256: return dispatch_loader<256, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+// 128-row query tiles (two m-blocks per warp): 16-bit caches, D <= 128 only (D 256's output
+// fragments alone would take 256 registers per thread; FP8's conversion buffers would not fit
+// two CTAs per SM)
+template <typename T>
+cudaError_t dispatch_head_dim_rows32(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
+                                     const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  switch (d) {
+  case 64: return dispatch_loader<64, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
+  case 96: return dispatch_loader<96, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
+  case 128: return dispatch_loader<128, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
   default: return cudaErrorInvalidValue;
   }
 }
@@ -904,13 +967,24 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
 
   const int64_t batch = p.lengths.rows;
   const int64_t d = p.k.head_dim;
+  const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
+  // PAGEDKV_CUDA_PREFILL_ROWS32=1 (opt-in; compiled, not yet run on a GPU): 128-row query tiles, 32 rows
+  // per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per batch row on average, so
+  // decode rows keep the 64-row tiles and their key split) on 16-bit caches with D <= 128
+  const char *rows32_env = std::getenv("PAGEDKV_CUDA_PREFILL_ROWS32");
+  const bool rows32 = rows32_env && rows32_env[0] == '1' && !fp8 && d <= 128 &&
+                      p.num_rows * p.group >= kAttnRowsM32 * batch;
+  const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
   // ones with the key split on an H200, 2026-11-27: removed)
-  const int64_t tiles_upper = (p.num_rows * p.group + kAttnRowsM - 1) / kAttnRowsM + batch;
+  const int64_t tiles_upper = (p.num_rows * p.group + rows_m - 1) / rows_m + batch;
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
             static_cast<unsigned>(plan->num_splits));
-  const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
+  if (rows32)
+    return a->q.dtype == PKV_DTYPE_BF16
+               ? dispatch_head_dim_rows32<__nv_bfloat16>(p, d, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_head_dim_rows32<__half>(p, d, plan->loader, kmap, vmap, grid, stream);
   if (a->q.dtype == PKV_DTYPE_BF16)
     return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
                : dispatch_head_dim<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);

@@ -71,6 +71,19 @@ __device__ __forceinline__ uint32_t tile_elem_offset(int r, int col, int rows) {
   return tile_unit_offset(r, (col * kElemBytes) >> 4, rows) + ((col * kElemBytes) & 15);
 }
 
+// ldmatrix addresses of one lane walking a row's 16-byte units u0 + step (u0 = 0 or 1, step even) in a
+// tile image of `rows` rows whose base is 128-byte aligned: with j = step % 8, the unit's place in its
+// chunk is (step & 6) ^ u0 ^ (r & 7), so its address is the lane's address for step 0 with bits 4-6
+// flipped by (step & 6) << 4, plus the chunk's offset. One XOR per load instead of the whole
+// tile_unit_offset (whose per-step results a compiler otherwise keeps in registers across the tile
+// loop). tests/cuda_host/test_tile_addresses.cu checks both give the same bytes.
+__host__ __device__ __forceinline__ uint32_t swizzle_lane_base(uint32_t tile, int r, int u0) {
+  return tile + (static_cast<uint32_t>(r) << 7) + (static_cast<uint32_t>(u0 ^ (r & 7)) << 4);
+}
+__host__ __device__ __forceinline__ uint32_t swizzle_step(uint32_t lane_base, int step, int rows) {
+  return (lane_base ^ (static_cast<uint32_t>(step & 6) << 4)) + static_cast<uint32_t>((step >> 3) * rows) * 128u;
+}
+
 // Page-table entries of one tile, read once and shared by the K and V loads,
 // the FP8 scale reads and the masks. page < 0 marks a masked row: past the
 // row's keys (the table entry is then never read), an id outside [0, N), or

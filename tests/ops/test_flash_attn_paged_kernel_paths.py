@@ -191,7 +191,9 @@ def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim
 
 
 OPT_IN_SWITCHES = ("PAGEDKV_CUDA_DECODE_WARP_SYNC", "PAGEDKV_CUDA_FP8_K_FRAGMENTS", "PAGEDKV_CUDA_SPREAD_ISSUE",
-                   "PAGEDKV_CUDA_ROWS_AHEAD")
+                   "PAGEDKV_CUDA_ROWS_AHEAD", "PAGEDKV_CUDA_PREFILL_ROWS32")
+# those that keep the default's arithmetic, so its output bit for bit
+EXACT_OPT_INS = ("PAGEDKV_CUDA_DECODE_WARP_SYNC", "PAGEDKV_CUDA_SPREAD_ISSUE", "PAGEDKV_CUDA_ROWS_AHEAD")
 # the CUDA settings the opt-in paths depend on, at their defaults (an outer environment may have turned one off)
 PATH_SETTINGS = ("PAGEDKV_CUDA_KEY_SPLIT", "PAGEDKV_CUDA_FP8_SCALE_AHEAD", "PAGEDKV_CUDA_FP8_FAST_CONVERT")
 
@@ -313,19 +315,44 @@ def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_d
 @CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (96, torch.float16), (128, torch.bfloat16),
+                                             (128, torch.float16), (256, torch.bfloat16)],
+                         ids=lambda x: dtype_name(x) if isinstance(x, torch.dtype) else str(x))
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_paged_cuda_prefill_rows32(monkeypatch, loader, page_size, head_dim, dtype, causal):
+    """PAGEDKV_CUDA_PREFILL_ROWS32=1 (opt-in: 128-row query tiles, two 16-row m-blocks per warp sharing each
+    K/V fragment, a tile's keys in two softmax steps) on prefill-like batches (>= 128 packed rows per batch row),
+    with a decode row and a short chunk among them (warp 0 alone, rows past the tile's end), page tails, one
+    split, split-KV and windows: against the reference, and not bit for bit the default (its softmax steps
+    round otherwise, so an equal output would mean the path did not run). Head size 256 keeps the 64-row
+    tiles (the switch leaves it alone): the default's output bit for bit."""
+    if loader not in available_loaders():
+        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
+    _C.set_cuda_loader(loader)
+    rows = [(300, 70), (0, 200), (777, 1), (5, 130), (64, 3)]  # 404 x 4 packed rows >= 128 per batch row
+    attend_switched(monkeypatch, "PAGEDKV_CUDA_PREFILL_ROWS32", rows,
+                    (("auto", -1), ("1", -1), ("3", -1), ("1", 23), ("3", 100)),
+                    expect="same" if head_dim == 256 else "different", page_size=page_size, head_dim=head_dim,
+                    cache_dtype=dtype, q_dtype=dtype, q_heads=8, causal=causal)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
 def test_flash_attn_paged_cuda_opt_in_paths_together(monkeypatch, loader, page_size, head_dim, cache_dtype):
     """The opt-in paths that keep the default's arithmetic (warp barrier, spread TMA issue, rows ahead) all on
     at once, as they would be made defaults together: bit for bit the default's output; then with the FP8 K
-    fragments as well, against the reference. Decode and prefill rows, split-KV and one split, a window."""
+    fragments and the 128-row prefill tiles as well, against the reference. Decode and prefill rows, split-KV
+    and one split, a window."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     rows, case = [(1100, 1), (300, 70), (0, 1), (37, 1)], dict(page_size=page_size, head_dim=head_dim,
                                                                cache_dtype=cache_dtype, q_heads=8)
     splits_windows = (("auto", -1), ("1", -1), ("3", 23))
-    attend_switched(monkeypatch, OPT_IN_SWITCHES[:1] + OPT_IN_SWITCHES[2:], rows, splits_windows, **case)
+    attend_switched(monkeypatch, EXACT_OPT_INS, rows, splits_windows, **case)
     attend_switched(monkeypatch, OPT_IN_SWITCHES, rows, splits_windows, expect=None, **case)
 
 
