@@ -836,28 +836,19 @@ cudaError_t dispatch_loader(const AttnParams &p, pkv_loader loader, const CUtens
   }
 }
 
-template <typename T, bool kFp8>
+// kBM = kAttnRowsM32 (128-row query tiles, two m-blocks per warp) is launched for 16-bit caches with
+// D <= 128 only: D 256's output fragments alone would take 256 registers per thread, and FP8's
+// conversion buffers would not leave room for two CTAs per SM
+template <typename T, bool kFp8, int kBM = kAttnRowsM>
 cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
                               const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
   switch (d) {
-  case 64: return dispatch_loader<64, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  case 96: return dispatch_loader<96, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  case 128: return dispatch_loader<128, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  case 256: return dispatch_loader<256, T, kFp8, kAttnRowsM>(p, loader, kmap, vmap, grid, stream);
-  default: return cudaErrorInvalidValue;
-  }
-}
-
-// 128-row query tiles (two m-blocks per warp): 16-bit caches, D <= 128 only (D 256's output
-// fragments alone would take 256 registers per thread; FP8's conversion buffers would not fit
-// two CTAs per SM)
-template <typename T>
-cudaError_t dispatch_head_dim_rows32(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
-                                     const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
-  switch (d) {
-  case 64: return dispatch_loader<64, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
-  case 96: return dispatch_loader<96, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
-  case 128: return dispatch_loader<128, T, false, kAttnRowsM32>(p, loader, kmap, vmap, grid, stream);
+  case 64: return dispatch_loader<64, T, kFp8, kBM>(p, loader, kmap, vmap, grid, stream);
+  case 96: return dispatch_loader<96, T, kFp8, kBM>(p, loader, kmap, vmap, grid, stream);
+  case 128: return dispatch_loader<128, T, kFp8, kBM>(p, loader, kmap, vmap, grid, stream);
+  case 256:
+    if constexpr (kBM == kAttnRowsM) return dispatch_loader<256, T, kFp8, kBM>(p, loader, kmap, vmap, grid, stream);
+    return cudaErrorInvalidValue;
   default: return cudaErrorInvalidValue;
   }
 }
@@ -983,8 +974,8 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
             static_cast<unsigned>(plan->num_splits));
   if (rows32)
     return a->q.dtype == PKV_DTYPE_BF16
-               ? dispatch_head_dim_rows32<__nv_bfloat16>(p, d, plan->loader, kmap, vmap, grid, stream)
-               : dispatch_head_dim_rows32<__half>(p, d, plan->loader, kmap, vmap, grid, stream);
+               ? dispatch_head_dim<__nv_bfloat16, false, kAttnRowsM32>(p, d, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_head_dim<__half, false, kAttnRowsM32>(p, d, plan->loader, kmap, vmap, grid, stream);
   if (a->q.dtype == PKV_DTYPE_BF16)
     return fp8 ? dispatch_head_dim<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
                : dispatch_head_dim<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);
