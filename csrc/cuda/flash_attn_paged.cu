@@ -555,7 +555,8 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       const int m = lane >> 3;
       uint32_t q_lane[kMB];
 #pragma unroll
-      for (int mb = 0; mb < kMB; mb++) q_lane[mb] = swizzle_lane_base(smem_u32(sq), qrow0(mb) + (m & 1) * 8 + (lane & 7), m >> 1);
+      for (int mb = 0; mb < kMB; mb++)
+        q_lane[mb] = swizzle_lane_base(smem_u32(sq), qrow0(mb) + (m & 1) * 8 + (lane & 7), m >> 1);
       const uint32_t k_lane = swizzle_lane_base(smem_u32(ks), kcol0 + (m >> 1) * 8 + (lane & 7), m & 1);
       const uint32_t v_lane = swizzle_lane_base(smem_u32(vs), kcol0 + (m & 1) * 8 + (lane & 7), m >> 1);
       // S = Q K^T
