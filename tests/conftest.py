@@ -476,14 +476,14 @@ def strided_index_tensors(batch: Batch, device):
 # Tolerances
 
 
-def rising_scores(qdt, step, device="cpu"):
+def rising_scores(qdt, step, device="cpu", new=(1, 40)):
     """Scores that rise tile after tile (64 keys per tile) by `step` natural-log units per tile: the
     running maximum moves by less than the kernels' lazy-rescale slack (2^8) per tile for small steps
-    and by far more for large ones; both must match the float64 softmax. Rows: one decode token and a
-    prefill chunk of 40 tokens, over 300 cached keys, 16-slot pages, bf16 cache. Built on the CPU
-    (the same values on every device), returned on `device`."""
+    and by far more for large ones; both must match the float64 softmax. Rows: by default one decode
+    token and a prefill chunk of 40 tokens (`new`), over 300 cached keys, 16-slot pages, bf16 cache.
+    Built on the CPU (the same values on every device), returned on `device`."""
     gen = torch.Generator().manual_seed(13)
-    p, hk, gqa, d, cached, new = 16, 2, 4, 64, 300, [1, 40]
+    p, hk, gqa, d, cached, new = 16, 2, 4, 64, 300, list(new)
     b, total = len(new), [cached + n for n in new]
     pages = max((t + p - 1) // p for t in total)
     table = torch.randperm(b * pages, generator=gen).to(torch.int32).view(b, pages)

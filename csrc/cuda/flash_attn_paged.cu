@@ -33,6 +33,7 @@ namespace {
 
 constexpr int kAttnThreads = 128;  // 4 warps x 16 packed query rows
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLazySlack = 8.0f;  // 128-row tiles: how far (log2) a row's maximum may rise before O is rescaled
 
 template <int D, bool kFp8, int kBM = kAttnRowsM>
 struct AttnLayout {
@@ -622,7 +623,12 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
               if (!visible) s[mb][nt][2 * i + e] = -INFINITY;
             }
         }
-        // online softmax: rows r0 (i = 0) and r1 (i = 1) of this thread in m-block mb
+        // online softmax: rows r0 (i = 0) and r1 (i = 1) of this thread in m-block mb. With two m-blocks (a
+        // softmax step per half tile, O's rescale 2 x D / 4 multiplications per step) the running maximum is
+        // lazy: kept until a step's maximum exceeds it by more than kLazySlack (log2), so probabilities stay
+        // below 2^8, and O is rescaled only when a row of the warp raised its maximum (the CPU kernels' rule)
+        float alpha[2];
+        bool raised = false;
 #pragma unroll
         for (int i = 0; i < 2; i++) {
           float mx = -INFINITY;
@@ -630,9 +636,11 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
           for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(s[mb][nt][2 * i], s[mb][nt][2 * i + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(row_max[mb][i], mx);
+          const bool move = kMB == 1 || mx > row_max[mb][i] + kLazySlack;
+          const float m_new = move ? fmaxf(row_max[mb][i], mx) : row_max[mb][i];
           const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row that saw nothing yet
-          const float alpha = exp2_ftz(row_max[mb][i] - m_use);
+          alpha[i] = exp2_ftz(row_max[mb][i] - m_use);
+          raised = raised || alpha[i] != 1.0f;
           row_max[mb][i] = m_new;
           float sum = 0.0f;
 #pragma unroll
@@ -641,11 +649,21 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
             s[mb][nt][2 * i + 1] = exp2_ftz(s[mb][nt][2 * i + 1] - m_use);
             sum += s[mb][nt][2 * i] + s[mb][nt][2 * i + 1];
           }
-          row_sum[mb][i] = row_sum[mb][i] * alpha + sum;
+          row_sum[mb][i] = row_sum[mb][i] * alpha[i] + sum;
+          if constexpr (kMB == 1) {
 #pragma unroll
-          for (int dt = 0; dt < D / 8; dt++) {
-            o[mb][dt][2 * i] *= alpha;
-            o[mb][dt][2 * i + 1] *= alpha;
+            for (int dt = 0; dt < D / 8; dt++) {
+              o[mb][dt][2 * i] *= alpha[i];
+              o[mb][dt][2 * i + 1] *= alpha[i];
+            }
+          }
+        }
+        if constexpr (kMB > 1) {
+          if (__any_sync(0xffffffffu, raised)) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+              for (int e = 0; e < 4; e++) o[mb][dt][e] *= alpha[e >> 1];
           }
         }
 #pragma unroll

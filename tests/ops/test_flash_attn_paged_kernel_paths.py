@@ -337,6 +337,22 @@ def test_flash_attn_paged_cuda_prefill_rows32(monkeypatch, loader, page_size, he
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("step", [1.0, 4.0, 100.0, 300.0])
+def test_flash_attn_paged_cuda_prefill_rows32_rising_scores(monkeypatch, step):
+    """PAGEDKV_CUDA_PREFILL_ROWS32=1 keeps each row's running maximum until a half tile's maximum passes it by
+    more than 8 (log2 units) and rescales O only when a row of the warp moved it: scores rising by `step` per
+    64 keys (conftest.rising_scores, a 300-token chunk and a decode token over 300 cached keys: 128-row tiles)
+    move it by less than that (1, 4) or by far more (100, 300: every rescale factor below 2^-126), bf16
+    queries, against the float64 reference."""
+    set_switches(monkeypatch, ("PAGEDKV_CUDA_PREFILL_ROWS32",))
+    args = rising_scores(torch.bfloat16, step, "cuda", new=(300, 1))
+    out = pagedkv.flash_attn_paged(*args)
+    cpu_args = [t.cpu() for t in args]
+    expected = ref.flash_attn_paged(cpu_args[0].double(), *cpu_args[1:])
+    assert_attention_close(out, expected, torch.bfloat16, f"rows32, scores rising {step} per tile")
+
+
+@CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
