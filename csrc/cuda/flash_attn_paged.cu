@@ -759,13 +759,14 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 
 // The explicit minimum of one CTA per SM matters: without it ptxas held the bf16 D 128 kernel to 172
 // registers instead of 201 (two CTAs per SM either way, by shared memory), and page-16 decode ran
-// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27). The 16-bit D 64 kernels
-// with 64-row tiles are the exception: shared memory lets five CTAs share an SM and 168 registers let
-// three, which ptxas met unasked (167) until the ldmatrix addresses of 2026-11-28 took it to 169.
-constexpr int attn_min_ctas(int d, bool fp8, int bm) { return d == 64 && !fp8 && bm == kAttnRowsM ? 3 : 1; }
+// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27). The D 64 kernels with
+// 64-row tiles are the exception: shared memory lets three (FP8) to five (16-bit) CTAs share an SM and 168
+// registers let three, which ptxas met unasked (16-bit 167, FP8 cp.async 168) until the changes of
+// 2026-11-28 took them to 169-173.
+constexpr int attn_min_ctas(int d, int bm) { return d == 64 && bm == kAttnRowsM ? 3 : 1; }
 
 template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
-__global__ void __launch_bounds__(kAttnThreads, attn_min_ctas(D, kFp8, kBM))
+__global__ void __launch_bounds__(kAttnThreads, attn_min_ctas(D, kBM))
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
