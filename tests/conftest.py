@@ -472,10 +472,6 @@ def strided_index_tensors(batch: Batch, device):
     return table, offsets, lengths
 
 
-# --------------------------------------------------------------------------------------------
-# Tolerances
-
-
 def rising_scores(qdt, step, device="cpu", new=(1, 40)):
     """Scores that rise tile after tile (64 keys per tile) by `step` natural-log units per tile: the
     running maximum moves by less than the kernels' lazy-rescale slack (2^8) per tile for small steps
@@ -499,6 +495,10 @@ def rising_scores(qdt, step, device="cpu", new=(1, 40)):
     lengths = torch.full((b,), cached, dtype=torch.int32)
     tensors = (q.to(qdt), offsets, k.to(torch.bfloat16), v.to(torch.bfloat16), lengths, table)
     return tuple(t.to(device) for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Tolerances
 
 
 def effective_q_dtype(q_dtype: torch.dtype, device, q16_on_cuda: bool = False) -> torch.dtype:

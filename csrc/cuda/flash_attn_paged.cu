@@ -31,7 +31,7 @@
 namespace pkv {
 namespace {
 
-constexpr int kAttnThreads = 128;  // 4 warps x 16 packed query rows
+constexpr int kAttnThreads = 128;  // 4 warps x 16 (PAGEDKV_CUDA_PREFILL_ROWS32: 32) packed query rows
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLazySlack = 8.0f;  // 128-row tiles: how far (log2) a row's maximum may rise before O is rescaled
 
@@ -565,7 +565,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       for (int kk = 0; kk < D / 16; kk++) {
         uint32_t a[kMB][4];
 #pragma unroll
-        for (int mb = 0; mb < kMB; mb++) ldmatrix_x4_at(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
+        for (int mb = 0; mb < kMB; mb++) ldmatrix_x4(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
           uint32_t bf[4];
@@ -580,7 +580,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
               bf[x] = pack2<T>(f.x, f.y);
             }
           } else {
-            ldmatrix_x4_at(bf, swizzle_step(k_lane, 2 * kk, BN) + nt * 8 * 128);
+            ldmatrix_x4(bf, swizzle_step(k_lane, 2 * kk, BN) + nt * 8 * 128);
           }
 #pragma unroll
           for (int mb = 0; mb < kMB; mb++) {
@@ -680,7 +680,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
           uint32_t bf[4];
-          ldmatrix_x4_trans_at(bf, swizzle_step(v_lane, dt, BN) + kk * 16 * 128);
+          ldmatrix_x4_trans(bf, swizzle_step(v_lane, dt, BN) + kk * 16 * 128);
 #pragma unroll
           for (int mb = 0; mb < kMB; mb++) {
             mma_16816<T>(o[mb][dt], pa[mb][kk], bf[0], bf[1]);
@@ -818,6 +818,13 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const __grid_constant
 
 // ---------------------------------------------------------------- host side
 
+// An on/off environment switch: a value starting with '0' turns a default-on one off, one starting
+// with '1' turns a default-off one on; anything else (or unset) leaves the default.
+bool env_switch(const char *name, bool default_on) {
+  const char *v = std::getenv(name);
+  return default_on ? !(v && v[0] == '0') : (v && v[0] == '1');
+}
+
 template <int D, typename T, bool kFp8, int kLoader, int kBM>
 cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                         cudaStream_t stream) {
@@ -936,29 +943,19 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);  // 16-bit pairs stored as one word
   p.kv_aligned = pkv_cache_aligned(&p.k, kv_es, 16) && pkv_cache_aligned(&p.v, kv_es, 16);
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
-  // PAGEDKV_CUDA_KEY_SPLIT=0 turns the decode key split off (A/B timing, and an escape hatch);
-  // read per call (a getenv, no lock), so a test or a benchmark can switch it
-  const char *key_split = std::getenv("PAGEDKV_CUDA_KEY_SPLIT");
-  p.key_split = !(key_split && key_split[0] == '0');
-  const char *scale_ahead = std::getenv("PAGEDKV_CUDA_FP8_SCALE_AHEAD");  // =0: off (A/B timing)
-  p.fp8_scale_ahead = !(scale_ahead && scale_ahead[0] == '0');
+  // The kernel paths' environment switches, read per call (a getenv, no lock), so a test or a benchmark can
+  // switch them. PAGEDKV_CUDA_KEY_SPLIT=0 turns the decode key split off (A/B timing, and an escape hatch)
+  p.key_split = env_switch("PAGEDKV_CUDA_KEY_SPLIT", true);
+  p.fp8_scale_ahead = env_switch("PAGEDKV_CUDA_FP8_SCALE_AHEAD", true);  // =0: off (A/B timing)
   // FP8 with one scale per row: the statically shaped tile conversion with the hardware cvt, 2.2x
   // faster decode than the generic one on an H200 (B=32 L=8192, 2026-11-27) and bit for bit the same;
   // PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic one (A/B timing, and its tests)
-  const char *fast_convert = std::getenv("PAGEDKV_CUDA_FP8_FAST_CONVERT");
-  p.fp8_fast_convert = !(fast_convert && fast_convert[0] == '0');
-  // PAGEDKV_CUDA_DECODE_WARP_SYNC=1 (opt-in; compiled, not yet run on a GPU): warp_sync above
-  const char *warp_sync = std::getenv("PAGEDKV_CUDA_DECODE_WARP_SYNC");
-  p.warp_sync = warp_sync && warp_sync[0] == '1';
-  // PAGEDKV_CUDA_FP8_K_FRAGMENTS=1 (opt-in; compiled, not yet run on a GPU): k_fragments above
-  const char *k_fragments = std::getenv("PAGEDKV_CUDA_FP8_K_FRAGMENTS");
-  p.fp8_k_fragments = k_fragments && k_fragments[0] == '1';
-  // PAGEDKV_CUDA_SPREAD_ISSUE=1 (opt-in; compiled, not yet run on a GPU): spread_issue above
-  const char *spread_issue = std::getenv("PAGEDKV_CUDA_SPREAD_ISSUE");
-  p.spread_issue = spread_issue && spread_issue[0] == '1';
-  // PAGEDKV_CUDA_ROWS_AHEAD=1 (opt-in; compiled, not yet run on a GPU): rows_ahead above
-  const char *rows_ahead = std::getenv("PAGEDKV_CUDA_ROWS_AHEAD");
-  p.rows_ahead = rows_ahead && rows_ahead[0] == '1';
+  p.fp8_fast_convert = env_switch("PAGEDKV_CUDA_FP8_FAST_CONVERT", true);
+  // opt-in (=1; compiled, not yet run on a GPU): warp_sync, k_fragments, spread_issue, rows_ahead above
+  p.warp_sync = env_switch("PAGEDKV_CUDA_DECODE_WARP_SYNC", false);
+  p.fp8_k_fragments = env_switch("PAGEDKV_CUDA_FP8_K_FRAGMENTS", false);
+  p.spread_issue = env_switch("PAGEDKV_CUDA_SPREAD_ISSUE", false);
+  p.rows_ahead = env_switch("PAGEDKV_CUDA_ROWS_AHEAD", false);
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {
@@ -982,8 +979,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // PAGEDKV_CUDA_PREFILL_ROWS32=1 (opt-in; compiled, not yet run on a GPU): 128-row query tiles, 32 rows
   // per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per batch row on average, so
   // decode rows keep the 64-row tiles and their key split) on 16-bit caches with D <= 128
-  const char *rows32_env = std::getenv("PAGEDKV_CUDA_PREFILL_ROWS32");
-  const bool rows32 = rows32_env && rows32_env[0] == '1' && !fp8 && d <= 128 &&
+  const bool rows32 = env_switch("PAGEDKV_CUDA_PREFILL_ROWS32", false) && !fp8 && d <= 128 &&
                       p.num_rows * p.group >= kAttnRowsM32 * batch;
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
