@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import os
 
-ENABLE_VARIABLE = "PAGEDKV_VLLM"
-BACKEND_CLASS_PATH = "pagedkv.vllm_backend.PagedKVAttentionBackend"
-# pagedkv pages may hold any number of tokens; vLLM's configurable block sizes go up to 256.
-MAX_BLOCK_SIZE = 256
+from .vllm_settings import BACKEND_CLASS_PATH, ENABLE_VARIABLE, MAX_BLOCK_SIZE
+
+__all__ = ["BACKEND_CLASS_PATH", "ENABLE_VARIABLE", "MAX_BLOCK_SIZE", "enabled", "register"]
 
 
 def enabled() -> bool:
@@ -48,16 +47,3 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS_PATH)
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
 
-
-# The backend classes subclass vLLM's and load pagedkv's ops, so they live in pagedkv.vllm_backend,
-# imported only when vLLM resolves BACKEND_CLASS_PATH: without the switch, a vLLM process that loads
-# this plugin imports nothing more than this module.
-_BACKEND_NAMES = ("PagedKVAttentionBackend", "PagedKVAttentionImpl", "PagedKVMetadataBuilder", "PagedKVMetadata")
-
-
-def __getattr__(name: str):
-    if name in _BACKEND_NAMES:
-        from . import vllm_backend
-
-        return getattr(vllm_backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """The vLLM attention backend, its metadata builder and implementation over pagedkv's ops.
 
-Loaded by vLLM through ``pagedkv.vllm.register`` (see that module for the switch and the mapping
-of vLLM's cache and metadata onto CONTRACT.md).
+vLLM imports this module when it resolves the class path that ``pagedkv.vllm.register`` records
+(see that module for the switch and the mapping of vLLM's cache and metadata onto CONTRACT.md); the
+two modules do not import each other (shared names: ``pagedkv.vllm_settings``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from .ops import flash_attn_paged, paged_store
-from .vllm import ENABLE_VARIABLE, MAX_BLOCK_SIZE
+from .vllm_settings import ENABLE_VARIABLE, MAX_BLOCK_SIZE
 
 # vLLM configures handlers for its own logger tree only, so the messages go through a child of it.
 logger = init_logger(f"vllm.{__name__}")
