@@ -62,7 +62,7 @@ def main() -> int:
     seconds = time.perf_counter() - started
     new_tokens = output[:, inputs.input_ids.shape[1]:]
     print(f"\nmodel.generate on a pagedkv PagedCache ({args.kv_dtype} pages): {seconds:.2f} s, "
-          f"{cache.kv_collection.num_pages} pages of {cache.page_size} tokens")
+          f"{cache.num_pages} pages of {cache.page_size} tokens")
     for question, answer in zip(QUESTIONS, tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
         print(f"  Q: {question}\n  A: {answer.strip()}")
 

@@ -196,13 +196,13 @@ def check_fp8_layers_against_reference(model, ids, mask, kv_dtype, new_tokens, q
         assert_rows_close(got, expected, f"layer {layer}, call {calls_per_layer[layer]}")
         calls_per_layer[layer] += 1
     assert calls_per_layer == [new_tokens] * num_layers  # prefill + new_tokens - 1 decode steps, every layer
-    collection, lookup = cache.kv_collection, cache.pool.lookup_table
+    lookup = cache.lookup_table
     for layer, reference_layer in enumerate(layers):
         lengths = cache.layers[layer].lengths
         assert torch.equal(lengths, reference_layer.lengths)
+        pages = cache.layer_pages(layer)
         for which in ("k", "v"):
-            stored = ref.gather_rows(getattr(collection, f"{which}_cache")(layer),
-                                     getattr(collection, f"{which}_scales")(layer), lookup, lengths,
+            stored = ref.gather_rows(getattr(pages, which), getattr(pages, f"{which}_scales"), lookup, lengths,
                                      quant_group=quant_group)
             expected = ref.gather_rows(getattr(reference_layer, which), getattr(reference_layer, f"{which}_scales"),
                                        reference_layer.lookup, lengths, quant_group=quant_group)

@@ -19,13 +19,59 @@ def register() -> None:
     """Register ``attn_implementation="pagedkv"`` (attention and mask functions). Idempotent."""
     check_transformers_version()
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     _accept_in_transformers_continuous_batching()
-    # The flash attention mask function gives None (no padding) or the 2-D [B, kv_len] padding
-    # mask: exactly what the ragged layout below needs, and no [B, 1, q, kv] float mask is built.
-    AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
+
+
+# Not traced by torch.compile: the mask's width (the keys written) is read off a tensor, and a traced
+# read would specialise the compiled model on it, a recompile per decode step; left out of the
+# graph, the width reaches the compiled code as a tensor shape, which it takes as dynamic.
+@torch.compiler.disable
+def attention_mask(batch_size: int, kv_length: int, kv_offset: int = 0, attention_mask=None, q_length=None,
+                   q_offset=None, cache_position=None, **kwargs):
+    """The mask function registered for "pagedkv": None (every key of the call is a real token) or
+    bool [B, n] (True = real token) over the last n positions up to the last query, n <= kv_length.
+
+    As flash attention's mask function, no [B, 1, q, kv] mask is built: the padding mask is what
+    the ragged layout needs. It also says how many keys hold tokens: a cache that preallocates
+    (transformers' StaticCache, the cache torch.compile runs with) hands attention its whole buffer
+    of kv_length rows, of which only the first n are written (flash attention reads n off the
+    mask's width too). n comes from the query position (q_offset, or cache_position before 5.x),
+    so an all-real batch still gets a mask when n < kv_length.
+    """
+    filled = kv_length
+    if "allow_is_bidirectional_skip" not in kwargs:  # causal: queries are the last keys written
+        filled = _written_keys(kv_length, kv_offset, attention_mask, q_length, q_offset, cache_position)
+    if attention_mask is None:
+        if filled == kv_length:
+            return None
+        return torch.ones((batch_size, filled), dtype=torch.bool, device=cache_position.device
+                          if cache_position is not None else kwargs.get("device"))
+    attention_mask = attention_mask[:, -filled:].to(torch.bool)
+    if filled == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _written_keys(kv_length, kv_offset, padding_mask, q_length, q_offset, cache_position) -> int:
+    """How many of the kv_length keys a causal call is given hold tokens (the rest: rows of a
+    preallocated cache not written yet). Keys start at position kv_offset and the last query is
+    the last key written."""
+    if q_offset is not None and q_length is not None:  # transformers 5.x
+        end = q_offset + q_length
+    elif padding_mask is not None:  # 4.57: the 2-D mask covers every position up to the last query
+        return min(kv_length, padding_mask.size(1))
+    elif cache_position is not None:  # 4.57 without a mask: read the last query's position
+        end = cache_position[-1] + 1
+    else:
+        return kv_length
+    # A StaticCache layer gives its position as a tensor (no graph break inside its update); this
+    # reads it once per mask.
+    end = int(end) if isinstance(end, torch.Tensor) else end
+    return max(1, min(kv_length, end - kv_offset))
 
 
 def transformers_continuous_batching_supported() -> bool:
@@ -165,17 +211,35 @@ def attention_forward(
     if sinks is not None:
         options["sinks"] = sinks
     step = getattr(_pending, "step", None)
-    if step is not None and step[0] is key:
+    if step is not None:
         _pending.step = None
-        layer = step[1]
-        if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
-            _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
-        return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
+        key_cached, layer, value_cached = step
+        if key_cached is key:
+            if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
+                _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
+            return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
+        # The layer's attention reads other K/V than it cached (MLA latents expanded to K/V): its
+        # PagedCache keeps what it caches as storage from now on (see start_gathering), and this
+        # first step attends over the K/V as they come, like any contiguous K/V.
+        layer.owner.start_gathering(layer, key_cached, value_cached)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None
     if attention_mask is None:
         _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
+    key, value = _written_keys_only(key, value, attention_mask)
     return _attend_contiguous(query, key, value, attention_mask, options), None
+
+
+def _written_keys_only(key, value, attention_mask):
+    """K/V of a cache that preallocates (StaticCache: [B, Hk, max_cache_len, D], tokens written
+    from row 0 on) cut to the rows written so far, which the mask's width gives (see
+    ``attention_mask``). Any other K/V are returned as they are."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return key, value
+    written = attention_mask.size(1)
+    if written >= key.size(2):
+        return key, value
+    return key[:, :, :written], value[:, :, :written]
 
 
 # Attention sinks: gpt-oss passes its per-head sink logits as s_aux (other models as sinks); they join

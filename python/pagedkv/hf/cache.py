@@ -7,7 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import host_alloc, ops
 from ..cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
+from ..dtypes import is_fp8, num_scale_groups
 from .attention import _padding_mask, _pending, _Rows
 from .compat import IMPLEMENTATION, check_transformers_version
 
@@ -47,21 +49,77 @@ def _model_dims(config) -> tuple[int, int, int]:
     return layers, kv_heads, head_dim
 
 
-class _Pool:
-    """The pages of a PagedCache: a PagedKVCacheCollection plus each row's page list, growing
-    by copying into a larger collection when a step needs more pages than are free."""
+class _LayerPages:
+    """One layer's pages, sized from what the layer stores: K [N, P, Hk, Dk] and V [N, P, Hk, Dv]
+    (MLA layers store K and V of different widths), with float32 scales for FP8 dtypes."""
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, page_size, dtype, device, num_pages, quant_group):
-        self.geometry = (num_layers, page_size, num_kv_heads, head_dim)
-        self.options = {"dtype": dtype, "device": device, "quant_group": quant_group}
-        self.collection = PagedKVCacheCollection(num_pages, *self.geometry, **self.options)
+    def __init__(self, num_pages, page_size, num_heads, k_dim, v_dim, dtype, device, quant_group):
+        self.quant_group = quant_group
+        self.k, self.k_scales = self._pages(num_pages, page_size, num_heads, k_dim, dtype, device)
+        self.v, self.v_scales = self._pages(num_pages, page_size, num_heads, v_dim, dtype, device)
+
+    def _pages(self, num_pages, page_size, num_heads, dim, dtype, device):
+        pages = host_alloc.zeros((num_pages, page_size, num_heads, dim), dtype=dtype, device=device)
+        scales = None
+        if is_fp8(dtype):
+            groups = num_scale_groups(dim, self.quant_group)
+            scales = torch.ones((num_pages, page_size, num_heads, groups), dtype=torch.float32, device=device)
+        return pages, scales
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.size(0)
+
+    def grow(self, num_pages: int) -> None:
+        """Copies the pages into num_pages larger tensors (page ids stay)."""
+        for name in ("k", "v", "k_scales", "v_scales"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            new = (torch.zeros if name in ("k", "v") else torch.ones)(
+                (num_pages, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            new[: old.size(0)].copy_(old)
+            setattr(self, name, new)
+
+    def store(self, key, value, offsets, cache_lengths, lookup) -> None:
+        ops.paged_store(key, value, self.k, self.v, offsets, cache_lengths, lookup, self.k_scales, self.v_scales,
+                        self.quant_group)
+
+    def attend(self, query, offsets, cache_lengths, lookup, options) -> torch.Tensor:
+        return ops.flash_attn_paged(query, offsets, self.k, self.v, cache_lengths, lookup, k_scales=self.k_scales,
+                                    v_scales=self.v_scales, quant_group=self.quant_group, **options)
+
+    def gather(self, lookup, lengths, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [0, lengths[b]) of every row: K [sum, Hk, Dk] and V [sum, Hk, Dv] in dtype."""
+        return tuple(ops.paged_load(pages, lookup, lengths, scales=scales, out_dtype=dtype,
+                                    quant_group=self.quant_group)
+                     for pages, scales in ((self.k, self.k_scales), (self.v, self.v_scales)))
+
+
+class _Pool:
+    """The pages of a PagedCache: each row's page list (shared by all layers) and each layer's
+    pages, made at the layer's first store with its shapes; all grow together when a step needs
+    more pages than are free."""
+
+    def __init__(self, page_size, dtype, device, num_pages, quant_group):
+        self.page_size, self.dtype, self.device, self.quant_group = page_size, dtype, device, quant_group
+        self.num_pages = num_pages
+        self.layers: dict[int, _LayerPages] = {}
         self.row_pages: list[list[int]] = []
         self.next_free = 0
         self.lookup_table: torch.Tensor | None = None
 
-    @property
-    def page_size(self) -> int:
-        return self.geometry[1]
+    def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> _LayerPages:
+        """Layer layer_idx's pages; made at its first store from key [.., Hk, Dk] / value [.., Hk, Dv]."""
+        pages = self.layers.get(layer_idx)
+        if pages is None:
+            if key.size(-2) != value.size(-2):
+                raise ValueError(f"PagedCache: layer {layer_idx} stores K with {key.size(-2)} heads and V with "
+                                 f"{value.size(-2)}; a paged layer needs one head count for both")
+            pages = _LayerPages(self.num_pages, self.page_size, key.size(-2), key.size(-1), value.size(-1),
+                                self.dtype, self.device, self.quant_group)
+            self.layers[layer_idx] = pages
+        return pages
 
     def reserve(self, row_lengths: Sequence[int]) -> torch.Tensor:
         """Pages for rows of the given lengths (tokens after this step); returns lookup_table."""
@@ -72,8 +130,8 @@ class _Pool:
         if self.lookup_table is not None and not any(wanted):
             return self.lookup_table
         needed = self.next_free + sum(wanted)
-        if needed > self.collection.num_pages:
-            self._grow(max(needed, POOL_GROWTH * self.collection.num_pages))
+        if needed > self.num_pages:
+            self._grow(max(needed, POOL_GROWTH * self.num_pages))
         for pages, count in zip(self.row_pages, wanted):
             pages.extend(range(self.next_free, self.next_free + count))
             self.next_free += count
@@ -81,16 +139,13 @@ class _Pool:
         table = torch.zeros((len(self.row_pages), width), dtype=torch.int32)
         for row, pages in enumerate(self.row_pages):
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.lookup_table = table.to(self.collection.device)
+        self.lookup_table = table.to(self.device)
         return self.lookup_table
 
     def _grow(self, num_pages: int) -> None:
-        old = self.collection
-        new = PagedKVCacheCollection(num_pages, *self.geometry, **self.options)
-        new.blocks[: old.num_pages].copy_(old.blocks)
-        if old.scales is not None:
-            new.scales[: old.num_pages].copy_(old.scales)
-        self.collection = new
+        for pages in self.layers.values():
+            pages.grow(num_pages)
+        self.num_pages = num_pages
 
 
 def _make_layer_class(CacheLayerMixin):
@@ -106,12 +161,18 @@ def _make_layer_class(CacheLayerMixin):
             self.owner, self.layer_idx = owner, layer_idx
             self.seen = 0  # positions transformers has given this layer (padding included)
             self.lengths: torch.Tensor | None = None  # int32 [B]: tokens stored per row
+            # True when the layer's attention does not read what it caches (DeepSeek's MLA in
+            # transformers 5.x caches latents and expands them to K/V after update): then update
+            # stores every position and returns the layer's whole history read back from its pages.
+            self.gathers = False
             self.is_initialized = True
 
         def lazy_initialization(self, *args, **kwargs) -> None:
             return None
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if self.gathers:  # see PagedCache.start_gathering
+                return self.owner.store_and_gather(self, key_states, value_states)
             # The attention call right after stores and attends; see attention_forward.
             left = getattr(_pending, "step", None)
             if left is not None and left[1].owner is self.owner and left[1].layer_idx < self.layer_idx:
@@ -122,7 +183,7 @@ def _make_layer_class(CacheLayerMixin):
                     f"pagedkv.hf.PagedCache: layer {left[1].layer_idx} did not attend with attn_implementation="
                     f"'{IMPLEMENTATION}'; a PagedCache works only with it (model.set_attn_implementation('pagedkv'))"
                 )
-            _pending.step = (key_states, self)
+            _pending.step = (key_states, self, value_states)
             return key_states, value_states
 
         def get_seq_length(self, *args) -> int:
@@ -140,7 +201,7 @@ def _make_layer_class(CacheLayerMixin):
             return self.seen + query_length, 0
 
         def reset(self) -> None:
-            self.seen, self.lengths = 0, None
+            self.seen, self.lengths, self.gathers = 0, None, False
 
         def _refuse(self, what: str):
             raise NotImplementedError(
@@ -223,6 +284,17 @@ def _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, co
         raise ValueError("collection must hold K and V (k_only=False): transformers models attend over both")
 
 
+def _refuse_different_kv_widths(config) -> None:
+    """A PagedKVCacheCollection (continuous batching) holds K and V of one width; MLA layers
+    (kv_lora_rank in the config: DeepSeek-V2/V3 and their kind) store other widths."""
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"PagedCache(collection=...) / generate_batch: {type(config).__name__} has multi-head latent "
+            "attention (kv_lora_rank), whose layers store K and V of other widths than one PagedKVCacheCollection "
+            "holds; use model.generate with PagedCache(model) (no collection), which sizes each layer's pages"
+        )
+
+
 def _paged_cache_class(Cache, CacheLayerMixin):
     if Cache in _CACHE_CLASSES:
         return _CACHE_CLASSES[Cache]
@@ -239,9 +311,13 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                     f"PagedCache needs a model loaded with attn_implementation='{IMPLEMENTATION}', "
                     f"got '{implementation}'"
                 )
-            self.num_layers, self.num_kv_heads, self.head_dim = _model_dims(config)
+            # The layer count comes from the config; each layer's pages are sized at its first
+            # store from the K/V it stores (heads, K and V widths), see _Pool.layer.
+            self.num_layers, num_kv_heads, head_dim = _model_dims(config)
             _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection,
-                                         (self.num_layers, self.num_kv_heads, self.head_dim))
+                                         (self.num_layers, num_kv_heads, head_dim))
+            if collection is not None:
+                _refuse_different_kv_widths(config)
             super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
             self.page_size, self.kv_dtype, self.quant_group = page_size, kv_dtype, quant_group
             self.initial_pages = num_pages
@@ -255,15 +331,31 @@ def _paged_cache_class(Cache, CacheLayerMixin):
 
         @property
         def kv_collection(self) -> PagedKVCacheCollection | None:
-            """The pagedkv collection holding the pages (None before the first step)."""
-            return self.collection if self.pool is None else self.pool.collection
+            """The collection given as ``collection`` (continuous batching), else None."""
+            return self.collection
+
+        @property
+        def num_pages(self) -> int:
+            """Pages per layer now (0 before the first step); the pool grows when a step needs more."""
+            if self.collection is not None:
+                return self.collection.num_pages
+            return 0 if self.pool is None else self.pool.num_pages
+
+        def layer_pages(self, layer_idx: int) -> _LayerPages:
+            """Layer layer_idx's pages: .k [N, P, Hk, Dk], .v [N, P, Hk, Dv], .k_scales / .v_scales
+            (FP8), with page ids from ``lookup_table``; KeyError before the layer's first store."""
+            return self.pool.layers[layer_idx]
+
+        @property
+        def lookup_table(self) -> torch.Tensor | None:
+            """int32 [B, pages]: the page ids of each row (None before the first step)."""
+            return None if self.pool is None else self.pool.lookup_table
 
         def _ensure_pool(self, key: torch.Tensor, rows: int, tokens: int) -> _Pool:
             if self.pool is None:
                 dtype = self.kv_dtype or key.dtype
                 pages = self.initial_pages or max(1, rows * -(-tokens // self.page_size))
-                self.pool = _Pool(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, dtype,
-                                  key.device, pages, self.quant_group)
+                self.pool = _Pool(self.page_size, dtype, key.device, pages, self.quant_group)
             return self.pool
 
         def _batch_step(self, layer, key, attention_mask):
@@ -288,12 +380,43 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             if query.size(2) != key.size(2):
                 raise ValueError("PagedCache: query and key lengths differ for this step")
             new, stored_before, lookup = self._batch_step(layer, key, attention_mask)
-            collection = self.pool.collection
-            collection.store(layer_idx, new.pack(key), new.pack(value), new.offsets, stored_before, lookup)
-            out = collection.attention(layer_idx, new.pack(query), new.offsets, stored_before, lookup, **options)
+            pages = self.pool.layer(layer_idx, key.transpose(1, 2), value.transpose(1, 2))
+            pages.store(new.pack(key), new.pack(value), new.offsets, stored_before, lookup)
+            out = pages.attend(new.pack(query), new.offsets, stored_before, lookup, options)
             layer.lengths = stored_before + new.counts
             layer.seen += key.size(2)
             return new.unpack(out)
+
+        def start_gathering(self, layer, key, value) -> None:
+            """Called when the attention of `layer` got other K/V than its update() was given (the
+            model transformed what it caches, as DeepSeek's MLA in transformers 5.x expands cached
+            latents): from now on the layer stores every position and hands back its whole history
+            (see PagedLayer.gathers). Only a layer's first step can switch: later, this step's
+            attention would have missed the history."""
+            if self.ragged is not None or layer.seen or layer.lengths is not None:
+                where = "in continuous batching" if self.ragged is not None else f"after {layer.seen} positions"
+                raise RuntimeError(
+                    f"pagedkv.hf.PagedCache: layer {layer.layer_idx} attends over other K/V than it caches {where}; "
+                    "a PagedCache can serve such a layer only from its first step in model.generate"
+                )
+            layer.gathers = True
+            self.store_and_gather(layer, key, value)
+
+        def store_and_gather(self, layer, key, value) -> tuple[torch.Tensor, torch.Tensor]:
+            """Stores key [B, H, S, Dk] / value [B, H, S, Dv] at positions seen.. of every row
+            (padding included: the model masks it) and returns each row's whole history."""
+            batch, heads, new_len, _ = key.shape
+            length = layer.seen + new_len
+            pool = self._ensure_pool(key, batch, length)
+            lookup = pool.reserve([length] * batch)
+            pages = pool.layer(layer.layer_idx, key.transpose(1, 2), value.transpose(1, 2))
+            rows = _Rows(None, batch, new_len, key.device)
+            before = torch.full((batch,), layer.seen, dtype=torch.int32, device=key.device)
+            pages.store(rows.pack(key), rows.pack(value), rows.offsets, before, lookup)
+            layer.seen = length
+            k, v = pages.gather(lookup, before + new_len, key.dtype)
+            return (k.view(batch, length, heads, -1).transpose(1, 2),
+                    v.view(batch, length, heads, -1).transpose(1, 2))
 
         def _attend_ragged(self, layer_idx, query, key, value, options) -> torch.Tensor:
             # query [1, Hq, T, D], key/value [1, Hk, T, D]: the packed rows of this step
