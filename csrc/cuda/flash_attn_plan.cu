@@ -2,8 +2,8 @@
 // only (index values live on the device and are never read here): which K/V
 // tile loader runs (what the device and the fat binary support, and what the
 // cache view fits), the tensor maps of the TMA loaders, and how many KV
-// splits a decode-like call needs to fill the SMs. The kernel and its
-// launcher are in flash_attn_paged.cu.
+// splits a decode-like call needs to fill the SMs. The kernel is in
+// flash_attn_paged_kernel.cuh, its launcher in flash_attn_paged.cu.
 #include <cstdlib>
 #include <mutex>
 
