@@ -296,6 +296,19 @@ def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor | None):
     return probs, row_max + torch.log(denom)
 
 
+def _attend_visible(probs: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`probs @ values` ([Hq, n, keys] @ [Hq, keys, Dv]) where each query row sums only the keys it
+    sees: a masked key's probability is 0, but 0 * NaN (or inf) in a non-finite value of a key another
+    row sees would still poison the product, so such values are kept out row by row."""
+    if bool(torch.isfinite(values).all()):
+        return probs @ values
+    out = probs.new_zeros(probs.shape[:2] + values.shape[-1:])
+    for i in range(probs.shape[1]):
+        keys = visible[i].nonzero().flatten()
+        out[:, i] = (probs[:, i, keys].unsqueeze(1) @ values[:, keys]).squeeze(1)
+    return out
+
+
 def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
@@ -365,7 +378,7 @@ def flash_attn_paged_lse(
         scores = _softcapped(scale * (queries @ keys.transpose(1, 2)), softcap)  # [Hq, n, num_keys]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs, row_lse = _softmax_with_sink(scores, None if sink is None else sink.expand(-1, num_new))
-        out[start:end] = (probs @ values).transpose(0, 1)
+        out[start:end] = _attend_visible(probs, values, visible).transpose(0, 1)
         lse[start:end] = row_lse.transpose(0, 1)
     return out.to(q.dtype), lse.to(torch.float32)
 
