@@ -83,6 +83,16 @@ PKV_HD int32_t pkv_page_of(const pkv_index_view *lookup_table, int64_t b, int64_
   return pkv_index_at2(lookup_table, b, pos / page_size);
 }
 
+/* A page id read from a lookup table, for reading rows: the id when it names a page of the pool,
+ * else page 0. The checks proved every id a call uses valid, but the table is the caller's and may
+ * change during the call (another thread, or an argument aliasing a written cache): each id is read
+ * once into a local and masked where it is used, so a kernel never leaves its tensors (results are
+ * then unspecified; writers skip such rows instead, pkv_page_in_pool). num_pages >= 1 wherever a row
+ * is read: a call that needs a page of an empty pool fails its check. */
+PKV_HD int64_t pkv_page_for_read(int32_t page, int64_t num_pages) { return page >= 0 && page < num_pages ? page : 0; }
+
+PKV_HD int pkv_page_in_pool(int32_t page, int64_t num_pages) { return page >= 0 && page < num_pages; }
+
 /* Slot (token row within its page) of logical token `pos`. */
 PKV_HD int64_t pkv_slot_of(int64_t pos, int64_t page_size) { return pos % page_size; }
 

@@ -40,7 +40,7 @@ void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end) {
     int64_t len = pkv_index_at(&lengths, b), t0 = j * c.page_size;
     if (t0 >= len) continue;
     int64_t t1 = t0 + c.page_size < len ? t0 + c.page_size : len;
-    int64_t page = pkv_index_at2(&table, b, j), base_row = pkv_index_at(&offsets, b);
+    int64_t page = pkv_page_for_read(pkv_index_at2(&table, b, j), c.num_pages), base_row = pkv_index_at(&offsets, b);
     if (dense_tokens) {
       memcpy((char *)out.data + (base_row + t0) * out.stride_row * (int64_t)es,
              (const char *)c.data + pkv_cache_offset(&c, page, 0, 0) * (int64_t)ces, (size_t)((t1 - t0) * heads * d) * es);

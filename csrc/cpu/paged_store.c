@@ -58,7 +58,10 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
     int64_t start = pkv_index_at(&offsets, b), cached = pkv_cache_length(&lengths, b);
     for (; row < row_end && row < end; row++) {
       int64_t pos = cached + (row - start);
-      int64_t page = pkv_page_of(&table, b, pos, page_size), slot = pkv_slot_of(pos, page_size);
+      int32_t page = pkv_page_of(&table, b, pos, page_size);
+      int64_t slot = pkv_slot_of(pos, page_size);
+      /* an id changed since the check (pkv_page_for_read): the row is not written anywhere */
+      if (!pkv_page_in_pool(page, kc.num_pages) || (vc.data && !pkv_page_in_pool(page, vc.num_pages))) continue;
       store_token(k, &key, row, &kc, &ks, page, slot, a->quant_group);
       if (vc.data) store_token(k, &value, row, &vc, &vs, page, slot, a->quant_group);
     }

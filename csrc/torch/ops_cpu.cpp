@@ -6,12 +6,36 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "../cpu/pkv_cpu_ops.h"
 #include "pkv_args.h"
 
 namespace pagedkv {
 namespace {
+
+// The index tensors the kernels read again and again (row offsets, lengths), copied once: the ops
+// release the GIL, so another thread may rewrite the caller's tensors during a call, and so may the
+// call itself where one aliases a cache it writes. The checks run on the caller's descriptors (shapes,
+// and the overlaps they refuse), then the values are checked as copied, and the kernels read the copy:
+// a value is never used unchecked. The lookup table is not copied (it may be large); kernels read each
+// page id once and mask it (pkv_page_for_read).
+class IndexSnapshot {
+ public:
+  // t: a checked 1-D int32 CPU descriptor; points it at the copy of its distinct elements
+  void take(pkv_tensor &t) {
+    if (!t.defined || t.ndim != 1) return;
+    const int64_t n = t.strides[0] == 0 ? std::min<int64_t>(t.sizes[0], 1) : t.sizes[0];
+    values_.resize(static_cast<size_t>(n));
+    const int32_t *src = static_cast<const int32_t *>(t.data);
+    for (int64_t i = 0; i < n; i++) values_[i] = src[i * t.strides[0]];
+    t.data = values_.data();
+    if (n > 0 && t.strides[0] != 0) t.strides[0] = 1;
+  }
+
+ private:
+  std::vector<int32_t> values_;
+};
 
 // Work items per task: enough bytes per task to amortise scheduling.
 int64_t grain_for(int64_t bytes_per_item) {
@@ -27,6 +51,10 @@ void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &val
   pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
                                 k_scales, v_scales, quant_group);
   pkv_error err{};
+  raise_if_failed(pkv_store_check(&a, /*check_values=*/0, &err), err);
+  IndexSnapshot offsets, lengths;
+  offsets.take(a.input_row_offsets);
+  lengths.take(a.cache_lengths);
   raise_if_failed(pkv_store_check(&a, /*check_values=*/1, &err), err);
   int64_t work = pkv_store_cpu_work(&a);
   at::parallel_for(0, work, grain_for(key.size(1) * key.size(2) * 4),
@@ -38,14 +66,22 @@ void paged_load_cpu(const at::Tensor &cache, const std::optional<at::Tensor> &sc
                     int64_t quant_group) {
   pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
   pkv_error err{};
+  raise_if_failed(pkv_load_check(&a, /*check_values=*/0, &err), err);
+  IndexSnapshot lengths, offsets;
+  lengths.take(a.seq_lens);
+  offsets.take(a.output_row_offsets);
   raise_if_failed(pkv_load_check(&a, /*check_values=*/1, &err), err);
   int64_t work = pkv_load_cpu_work(&a);
   at::parallel_for(0, work, grain_for(cache.size(1) * cache.size(2) * cache.size(3) * 4),
                    [&](int64_t begin, int64_t end) { pkv_load_cpu(&a, begin, end); });
 }
 
-void attn_cpu(const pkv_attn_args &a) {
+void attn_cpu(pkv_attn_args a) {
   pkv_error err{};
+  raise_if_failed(pkv_attn_check(&a, /*check_values=*/0, &err), err);
+  IndexSnapshot offsets, lengths;
+  offsets.take(a.input_row_offsets);
+  lengths.take(a.cache_lengths);
   raise_if_failed(pkv_attn_check(&a, /*check_values=*/1, &err), err);
   pkv_attn_plan plan{};
   raise_if_failed(pkv_attn_cpu_plan(&a, &plan, &err), err);
