@@ -23,6 +23,7 @@ def register() -> None:
 
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     _accept_in_transformers_continuous_batching()
+    _refuse_architectures_without_attention_interface()
     AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
 
 
@@ -72,6 +73,37 @@ def _written_keys(kv_length, kv_offset, padding_mask, q_length, q_offset, cache_
     # reads it once per mask.
     end = int(end) if isinstance(end, torch.Tensor) else end
     return max(1, min(kv_length, end - kv_offset))
+
+
+def _refuse_architectures_without_attention_interface() -> None:
+    """Makes "pagedkv" fail at model construction, naming the architecture, for models whose class
+    says it does not call attention through transformers' AttentionInterface
+    (``_supports_attention_backend = False``: falcon, stablelm, bert, Mamba hybrids, ...). Such a
+    model either looks the name up in its own table (a bare KeyError: 'pagedkv') or silently runs
+    another attention. Other implementations go through unchanged."""
+    from transformers import PreTrainedModel
+
+    check = PreTrainedModel.get_correct_attn_implementation
+    if getattr(check, "_pagedkv_refuses", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention == IMPLEMENTATION and not type(self)._supports_attention_backend:
+            raise ValueError(unsupported_architecture_message(type(self)))
+        return check(self, requested_attention, *args, **kwargs)
+
+    get_correct_attn_implementation._pagedkv_refuses = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
+def unsupported_architecture_message(model_class) -> str:
+    model_type = getattr(getattr(model_class, "config_class", None), "model_type", "?")
+    return (
+        f"attn_implementation='{IMPLEMENTATION}' cannot run {model_class.__name__} (model_type '{model_type}'): "
+        "its attention does not go through transformers' AttentionInterface (the class sets "
+        "_supports_attention_backend = False), so pagedkv would not be called; load it with "
+        "attn_implementation='eager' or 'sdpa'"
+    )
 
 
 def transformers_continuous_batching_supported() -> bool:
@@ -214,13 +246,13 @@ def attention_forward(
     if step is not None:
         _pending.step = None
         key_cached, layer, value_cached = step
-        if key_cached is key:
+        if key_cached is key and value_cached is value:
             if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
                 _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
             return layer.owner.attend(layer.layer_idx, query, key, value, attention_mask, options), None
-        # The layer's attention reads other K/V than it cached (MLA latents expanded to K/V): its
-        # PagedCache keeps what it caches as storage from now on (see start_gathering), and this
-        # first step attends over the K/V as they come, like any contiguous K/V.
+        # The layer's attention reads other K/V than it cached (MLA latents expanded to K/V,
+        # DiffLlama's V halves side by side): its PagedCache keeps what it caches as storage from
+        # now on (see start_gathering); this first step attends over the K/V as they come.
         layer.owner.start_gathering(layer, key_cached, value_cached)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None

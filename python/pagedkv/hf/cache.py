@@ -284,6 +284,23 @@ def _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, co
         raise ValueError("collection must hold K and V (k_only=False): transformers models attend over both")
 
 
+# Layer kinds of config.layer_types whose cache layer holds K/V (the rest hold recurrent or
+# convolution states, which a PagedCache layer does not keep).
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def _refuse_layers_without_attention(config) -> None:
+    """Hybrid models (Mamba, linear attention, short convolutions: LFM2, MiniMax, Zamba, ...) keep
+    per-layer states a PagedCache does not hold: refused when the cache is made."""
+    kinds = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+    if kinds:
+        raise ValueError(
+            f"PagedCache cannot hold {type(config).__name__}: its layer_types include {', '.join(sorted(kinds))}, "
+            "layers whose cache is a recurrent or convolution state, not pages of K/V; use transformers' own "
+            "cache with attn_implementation='pagedkv'"
+        )
+
+
 def _refuse_different_kv_widths(config) -> None:
     """A PagedKVCacheCollection (continuous batching) holds K and V of one width; MLA layers
     (kv_lora_rank in the config: DeepSeek-V2/V3 and their kind) store other widths."""
@@ -316,6 +333,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             self.num_layers, num_kv_heads, head_dim = _model_dims(config)
             _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection,
                                          (self.num_layers, num_kv_heads, head_dim))
+            _refuse_layers_without_attention(config)
             if collection is not None:
                 _refuse_different_kv_widths(config)
             super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])

@@ -74,6 +74,7 @@ _KEYWORDS_WITHOUT_EFFECT = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache",
     "cache_position", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "seq_idx", "logits_indices", "logits_processor_args", "read_index", "write_index", "deterministic",
+    "logits_to_keep",  # which positions the LM head reads (GOT-OCR2 hands it down to its layers)
 })
 # Keywords that change the result, with the model feature they carry; pagedkv does not implement
 # them, so a call that gives one (not None / False) is refused instead of silently dropping it.
