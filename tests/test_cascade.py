@@ -56,6 +56,39 @@ def test_cascade_equals_flash_attn_paged(device, cache_dtype, with_sinks):
     assert (got[batch.num_tokens:] == 0).all()
 
 
+@pytest.mark.per_isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("score", [2.0**17, 2.0**20, 2.0**23, -(2.0**23)], ids=lambda s: f"{s:g}")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn],
+                         ids=dtype_name)
+def test_cascade_is_exact_at_large_scores(device, cache_dtype, score):
+    """Every key scores `score` (1e5..1e7): the prefix's 4 keys hold V = 1, the row's own 4 keys V = 3,
+    so the attention is exactly 2. The two partial log-sum-exps are equal; merging them through a
+    float32 logaddexp gave 2.008 to 2.5 here."""
+    page, dim = 4, 8
+    k_cache = torch.zeros((3, page, 1, dim), dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    scales = (torch.zeros((3, page, 1, 1), device=device) if cache_dtype == torch.float8_e4m3fn else None)
+    v_scales = scales.clone() if scales is not None else None
+    key = torch.zeros((2 * page, 1, dim), device=device)
+    key[:, 0, 0] = 1.0
+    value = torch.full((2 * page, 1, dim), 3.0, device=device)
+    value[:page] = 1.0
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    index = lambda *values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    pagedkv.paged_store(key, value, k_cache, v_cache, index(0, 2 * page), index(0), table, scales, v_scales,
+                        quant_group=dim)
+    for q_dtype in (torch.float32, torch.bfloat16):
+        q = torch.zeros((1, 2, dim), dtype=q_dtype, device=device)
+        q[0, :, 0] = score  # a power of two: every score is exactly `score`
+        args = (q, index(0, 1), k_cache, v_cache, index(2 * page - 1), table)
+        common = dict(scale=1.0, k_scales=scales, v_scales=v_scales, quant_group=dim)
+        got = supported_or_skip(device, pagedkv.cascade_attention, *args, 1, **common)
+        expected = ref.flash_attn_paged(*args, **common)
+        assert torch.equal(got.float(), torch.full_like(got.float(), 2.0)), (q_dtype, got)
+        assert torch.equal(expected.float(), got.float())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_cascade_more_queries_than_prefix_tokens(device):
     """Prefill chunks longer than the prefix: the prefix part runs in chunks of <= prefix tokens."""

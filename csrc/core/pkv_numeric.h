@@ -192,7 +192,11 @@ PKV_HD void pkv_softmax_finish(float m, float l, float sink, float *inv, float *
 
 /* ---- merging two attention states over disjoint key sets ----
  * lse = ln(e^la + e^lb), out = wa * out_a + wb * out_b with wa = e^(la - lse), wb = e^(lb - lse).
- * Both parts empty (-inf): lse = -inf and zero weights (out = 0). A NaN part gives NaN. */
+ * The weights come from the difference d = la - lb alone (the larger part gets 1 / (1 + e^-|d|),
+ * the smaller e^-|d| / (1 + e^-|d|)): exp(la - lse) with lse rounded to float32 is off by up to
+ * half an ulp of lse in the exponent, 0.5 at |lse| ~ 1e7. Both parts empty (-inf): lse = -inf and
+ * zero weights (out = 0). A NaN part gives NaN; a +inf part gives lse = inf and weight NaN
+ * (e^(inf - inf)), a finite or empty part beside it weight 0. */
 PKV_HD void pkv_merge_weights(float la, float lb, float *wa, float *wb, float *lse) {
   if (la != la || lb != lb) {
     *wa = *wb = *lse = NAN;
@@ -204,10 +208,17 @@ PKV_HD void pkv_merge_weights(float la, float lb, float *wa, float *wb, float *l
     *lse = -INFINITY;
     return;
   }
-  float l = top + log1pf(expf((la > lb ? lb : la) - top));
-  *lse = l;
-  *wa = expf(la - l);
-  *wb = expf(lb - l);
+  if (top == INFINITY) {
+    *wa = la == INFINITY ? NAN : 0.0f;
+    *wb = lb == INFINITY ? NAN : 0.0f;
+    *lse = INFINITY;
+    return;
+  }
+  float small = expf(-fabsf(la - lb)); /* e^-|d| in [0, 1]; la - lb may round, never to NaN */
+  float big_weight = 1.0f / (1.0f + small), small_weight = small / (1.0f + small);
+  *lse = top + log1pf(small);
+  *wa = la >= lb ? big_weight : small_weight;
+  *wb = la >= lb ? small_weight : big_weight;
 }
 
 #endif /* PKV_NUMERIC_H */

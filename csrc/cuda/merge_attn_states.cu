@@ -1,5 +1,6 @@
 // pagedkv CUDA backend: merge_attn_states. One warp per (token, head): the two
-// log-sum-exps give the weights (pkv_merge_weights, shared with the CPU), then
+// log-sum-exps give the weights (pkv_merge_weights, shared with the CPU: from their
+// difference only, exact at any magnitude), then
 // the lanes blend the Dv values in float32. Element-wise and memory-bound.
 #include "common.cuh"
 

@@ -65,6 +65,35 @@ def test_merge_matches_reference(device, dtype):
 
 
 
+LARGE_LSE = [
+    ("1e5", 1e5, 1e5), ("1e6", 1e6, 1e6), ("1e7", 1e7, 1e7), ("-1e7", -1e7, -1e7),
+    ("1e7 vs 1e7-3", 1e7, 1e7 - 3), ("-1e7 vs -1e7+4", -1e7, -1e7 + 4), ("1e7 vs 0.5", 1e7, 0.5),
+    ("-1e7 vs 20", -1e7, 20.0), ("3e38 vs -3e38", 3e38, -3e38), ("1e5 vs 1e5+40", 1e5, 1e5 + 40),
+]
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
+def test_merge_is_exact_at_large_log_sum_exps(device, dtype):
+    """The weights depend on lse_a - lse_b only: equal parts of 1 and 3 merge to exactly 2 at any
+    magnitude (weighting by exp(lse_a - logaddexp(..)) in float32 gave 1.99, 2.01 and 1.47 at
+    1e5..1e7), and unequal ones match the float64 reference."""
+    lse_a = torch.tensor([[a for _, a, _ in LARGE_LSE]], dtype=torch.float32, device=device).repeat(3, 1)
+    lse_b = torch.tensor([[b for _, _, b in LARGE_LSE]], dtype=torch.float32, device=device).repeat(3, 1)
+    lse_a[1], lse_b[1] = lse_b[1].clone(), lse_a[1].clone()  # row 1: the parts swapped
+    out_a = torch.ones((3, len(LARGE_LSE), 24), dtype=dtype, device=device)
+    out_b = torch.full((3, len(LARGE_LSE), 24), 3.0, dtype=dtype, device=device)
+    out_b[2] = randn(generator(7), (len(LARGE_LSE), 24), dtype, device)  # row 2: other values
+    out, lse = pagedkv.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    expected, expected_lse = ref.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    equal = (lse_a == lse_b)[:2]
+    assert (out[:2][equal] == 2).all(), [name for (name, _, _), e in zip(LARGE_LSE, equal[0]) if e]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=0)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
