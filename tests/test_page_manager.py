@@ -599,3 +599,66 @@ def test_random_operations_match_the_model(num_pages, page_size, seed):
     assert counts["out_of_pages"] > 0 and counts["cached"] > 0 and counts["deduplicated"] > 0
     if page_size > 1:
         assert counts["copies"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# caches the copy-on-write copies cannot write: refused at construction, and a reserve that would
+# copy into one changes nothing
+# ---------------------------------------------------------------------------------------------
+
+
+def _inference_cache():
+    with torch.inference_mode():
+        return torch.zeros((6, 2, 4))
+
+
+UNWRITABLE_CACHES = [
+    ("expanded", lambda: torch.zeros((1, 2, 4)).expand(6, 2, 4), "broadcast"),
+    ("expanded collection", lambda: torch.zeros((6, 2, 1, 2, 1, 4)).expand(6, 2, 3, 2, 1, 4), "broadcast"),
+    ("pages overlapping", lambda: torch.zeros(16).as_strided((6, 2, 4), (1, 4, 1)), "self-overlapping"),
+    ("requires grad", lambda: torch.zeros((6, 2, 4), requires_grad=True), "requires grad"),
+    ("inference tensor", _inference_cache, "inference tensor"),
+    ("meta", lambda: torch.zeros((6, 2, 4), device="meta"), "meta"),
+]
+
+
+@pytest.mark.parametrize("make,fragment", [c[1:] for c in UNWRITABLE_CACHES], ids=[c[0] for c in UNWRITABLE_CACHES])
+def test_constructor_refuses_caches_it_cannot_write(make, fragment):
+    good = torch.zeros((6, 2, 4))
+    with pytest.raises(ValueError, match=rf"caches\[1\] .*{fragment}"):
+        PageManager(6, 2, caches=(good, make()))
+
+
+def test_constructor_accepts_views_of_one_allocation():
+    blocks = torch.zeros((6, 2, 3, 2, 1, 4))  # collection [N, 2, L, P, Hk, D]
+    interleaved = torch.zeros((6, 2, 2, 1, 4))  # [N, P, 2, Hk, D]
+    caches = (blocks, blocks[:, 0, 1], blocks[:, 1, 1], interleaved[:, :, 0], interleaved[:, :, 1],
+              torch.zeros((6, 2, 1, 8))[..., ::2], torch.zeros((2, 6, 2, 4)).transpose(0, 1)[:, 1])
+    PageManager(6, 2, caches=caches)
+
+
+@pytest.mark.parametrize("spoil", ["requires_grad", "resize"])
+def test_failed_copy_on_write_reserve_changes_nothing(spoil):
+    """A cache spoiled after construction: the reserve that must copy a shared page raises naming it
+    before the manager moves the sequence to a new page (before, shared_pages 1 -> 0 and free_pages
+    5 -> 4 while the copy then failed)."""
+    cache = torch.arange(6 * 2 * 4, dtype=torch.float32).view(6, 2, 4)
+    manager = PageManager(6, 2, caches=(cache,))
+    manager.add_sequence(1)
+    manager.reserve(1, 1)
+    manager.commit(1, 1)
+    manager.fork(1, 2)
+    before, data = snapshot(manager, [1, 2]), cache.clone()
+    if spoil == "requires_grad":
+        cache.requires_grad_(True)
+    else:
+        cache.resize_(5, 2, 4)
+    with pytest.raises(ValueError, match=r"caches\[0\]"):
+        manager.reserve(2, 1)
+    assert snapshot(manager, [1, 2]) == before
+    assert torch.equal(cache.detach()[:5], data[:5])
+    manager.check_invariants()
+    if spoil == "requires_grad":  # usable again once the cache is
+        cache.requires_grad_(False)
+        manager.reserve(2, 1)
+        assert manager.shared_pages == 0 and torch.equal(cache[manager.pages(2)[0]], cache[manager.pages(1)[0]])

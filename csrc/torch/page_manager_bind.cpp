@@ -92,6 +92,15 @@ class PageManager {
     return needed;
   }
 
+  // Copy-on-write copies that reserve(seq_id, num_new_tokens) would make (part of pages_needed).
+  int64_t copies_needed(int64_t seq_id, int64_t num_new_tokens) {
+    int64_t needed = 0, copies = 0;
+    call_core([&](pkv_error *e) {
+      return pkv_page_manager_pages_needed(manager_, seq_id, num_new_tokens, &needed, &copies, e);
+    });
+    return copies;
+  }
+
   // Returns the copy-on-write pairs (src pages, dst pages) the caller must copy.
   std::pair<std::vector<int32_t>, std::vector<int32_t>> reserve(int64_t seq_id, int64_t num_new_tokens) {
     // A sequence never needs more copies than the pages it holds.
@@ -221,6 +230,7 @@ void pkv_bind_page_manager(py::module_ &m) {
       .def_property_readonly("shared_pages", &PageManager::shared_pages)
       .def("add_sequence", &PageManager::add_sequence, py::arg("seq_id"), py::arg("prompt_tokens"))
       .def("pages_needed", &PageManager::pages_needed, py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("copies_needed", &PageManager::copies_needed, py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("reserve", &PageManager::reserve, py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("commit", &PageManager::commit, py::arg("seq_id"), py::arg("num_new_tokens"), py::arg("tokens"))
       .def("fork", &PageManager::fork, py::arg("src_seq"), py::arg("dst_seq"))

@@ -112,6 +112,51 @@ def _token_dim(cache: torch.Tensor) -> int:
     return 3 if cache.dim() == 6 else 1
 
 
+def _overlaps_itself(cache: torch.Tensor) -> bool:
+    """Whether two indices of the view may share an element: a broadcast (stride 0) dim, or strides
+    that do not nest (each stride at least the extent of the smaller ones, as slicing, permuting and
+    views of a contiguous tensor give). Conservative: a non-nesting view is refused even if disjoint."""
+    extent = 1  # elements spanned by the dims taken so far, smallest stride first
+    for stride, size in sorted((cache.stride(d), cache.size(d)) for d in range(cache.dim()) if cache.size(d) > 1):
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _check_cache_shape(i: int, cache: torch.Tensor, num_pages: int, page_size: int) -> None:
+    if cache.dim() < 2 or cache.size(0) != num_pages:
+        raise ValueError(
+            f"caches[{i}] must have the page dim first with num_pages={num_pages} entries and a token "
+            f"dim, got shape {tuple(cache.shape)}"
+        )
+    token_dim = _token_dim(cache)
+    if cache.size(token_dim) != page_size:
+        raise ValueError(
+            f"caches[{i}] holds pages of {cache.size(token_dim)} tokens (dim {token_dim} of shape "
+            f"{tuple(cache.shape)}), but page_size={page_size}: the manager's pages must be the caches' pages"
+        )
+
+
+def _check_cache(i: int, cache: torch.Tensor) -> None:
+    """A cache the copy-on-write copies can write, checked before any state changes (a copy that
+    failed after the manager moved a sequence to a new page would leave it pointing at garbage)."""
+    if cache.device.type == "meta":
+        raise ValueError(f"caches[{i}] is a meta tensor (no data to copy); pass the cache tensor itself")
+    if cache.numel() and _overlaps_itself(cache):
+        raise ValueError(
+            f"caches[{i}] must not be a broadcast (expanded) or self-overlapping view (shape {tuple(cache.shape)}, "
+            f"strides {cache.stride()}): copying one of its pages would write another's elements"
+        )
+    if cache.requires_grad:
+        raise ValueError(f"caches[{i}] requires grad: copy-on-write copies write it in place; pass a tensor without grad")
+    if cache.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"caches[{i}] is an inference tensor, which cannot be written outside torch.inference_mode(); "
+            f"create it outside inference mode or reserve inside it"
+        )
+
+
 def _key_error(error: KeyError) -> KeyError:
     # pybind's KeyError carries the core's message ("seq_id: sequence 5 is not in ...").
     return KeyError(error.args[0] if error.args else "unknown sequence")
@@ -135,17 +180,8 @@ class PageManager:
         for i, cache in enumerate(caches):
             if not isinstance(cache, torch.Tensor):
                 raise ValueError(f"caches[{i}] must be a torch.Tensor, got {type(cache).__name__}")  # noqa: TRY004
-            if cache.dim() < 2 or cache.size(0) != num_pages:
-                raise ValueError(
-                    f"caches[{i}] must have the page dim first with num_pages={num_pages} entries and a token "
-                    f"dim, got shape {tuple(cache.shape)}"
-                )
-            token_dim = _token_dim(cache)
-            if cache.size(token_dim) != page_size:
-                raise ValueError(
-                    f"caches[{i}] holds pages of {cache.size(token_dim)} tokens (dim {token_dim} of shape "
-                    f"{tuple(cache.shape)}), but page_size={page_size}: the manager's pages must be the caches' pages"
-                )
+            _check_cache_shape(i, cache, num_pages, page_size)
+            _check_cache(i, cache)
         self._native = _C.PageManager(num_pages, page_size)
         self._num_pages = num_pages
         self._page_size = page_size
@@ -222,11 +258,19 @@ class PageManager:
 
         Allocates pages only when the capacity is short. A shared page that the new tokens would
         write into is replaced by a private copy, and its data is copied in every cache. Raises
-        OutOfPagesError (nothing changed) when the free pages do not suffice.
+        OutOfPagesError (nothing changed) when the free pages do not suffice, ValueError (nothing
+        changed) when a cache cannot be written any more (e.g. it was made to require grad).
         """
         seq_id = _seq_id(seq_id)
         num_new_tokens = _count("num_new_tokens", num_new_tokens)
         try:
+            # Caches that copies will write are checked again before the manager changes: a tensor's
+            # flags and shape can change after construction, and a copy that fails after the native
+            # reserve cannot be undone.
+            if self._caches and self._native.copies_needed(seq_id, num_new_tokens):
+                for i, cache in enumerate(self._caches):
+                    _check_cache_shape(i, cache, self._num_pages, self._page_size)
+                    _check_cache(i, cache)
             src, dst = self._native.reserve(seq_id, num_new_tokens)
         except _C.PageManagerOutOfPagesError as error:
             raise OutOfPagesError(str(error)) from None
