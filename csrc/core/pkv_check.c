@@ -158,6 +158,137 @@ static pkv_status check_group(int64_t group, const char *op, pkv_error *err) {
   return PKV_OK;
 }
 
+/* ---- aliasing between arguments ----
+ *
+ * A written tensor must share no memory with another argument: a lookup table inside the cache being
+ * written would change its page ids in the middle of a call, an out over q or a cache would feed the
+ * op its own results. Views of one allocation that share no element stay legal (K and V of a layer
+ * interleave in the collection layout [N, 2, L, P, Hk, D]), so the test is exact, not an extent test.
+ *
+ * Two views share a byte iff a_base + sum_d i_d sa_d + u == b_base + sum_d j_d sb_d + v for indices
+ * i, j within the sizes and bytes u, v within one element (strides in bytes). Writing j_d as
+ * (n_d - 1) - j'_d and v as (eb - 1) - v' makes every coefficient positive:
+ *   sum_d sa_d i_d + sum_d sb_d j'_d + (u + v') = b_base - a_base + sum_d sb_d (n_d - 1) + eb - 1,
+ * a bounded subset-sum that a depth-first search over the terms, largest coefficient first, decides;
+ * terms of equal coefficient merge (x in [0, m] plus y in [0, n] is any value in [0, m + n]). For
+ * strides that nest, as slicing, permuting and the contract's layouts produce, each term leaves at
+ * most two candidates, so the search is a few dozen steps. */
+
+typedef struct {
+  uint64_t coef, bound; /* coef * x with x in [0, bound] */
+} overlap_term;
+
+#define OVERLAP_MAX_TERMS (2 * PKV_MAX_DIMS + 1)
+#define OVERLAP_WORK 100000 /* search steps before giving up; past it the views count as sharing */
+
+/* Whether sum_t terms[t].coef * x_t == target has a solution with terms t.. (reach[t] = their
+ * largest sum). Running out of work answers 1: never a false "disjoint". */
+static int overlap_search(const overlap_term *terms, const uint64_t *reach, int t, int n, uint64_t target,
+                          int64_t *work) {
+  if (t == n) return target == 0;
+  if (target > reach[t]) return 0;
+  if (--*work < 0) return 1;
+  uint64_t c = terms[t].coef, rest = t + 1 < n ? reach[t + 1] : 0;
+  uint64_t hi = target / c < terms[t].bound ? target / c : terms[t].bound;
+  uint64_t lo = target > rest ? (target - rest + c - 1) / c : 0;
+  for (uint64_t x = hi + 1; x-- > lo;)
+    if (overlap_search(terms, reach, t + 1, n, target - c * x, work)) return 1;
+  return 0;
+}
+
+/* Adds tensor t's dims as terms; the sum of coef * bound goes to *span. 0 on overflow. */
+static int overlap_add_terms(const pkv_tensor *t, overlap_term *terms, int *n, uint64_t *span) {
+  uint64_t elem = pkv_dtype_size(t->dtype);
+  for (int d = 0; d < t->ndim && d < PKV_MAX_DIMS; d++) {
+    if (t->sizes[d] < 2 || t->strides[d] == 0) continue; /* one index, or the same bytes for all */
+    uint64_t coef, part;
+    if (__builtin_mul_overflow((uint64_t)t->strides[d], elem, &coef) ||
+        __builtin_mul_overflow(coef, (uint64_t)(t->sizes[d] - 1), &part) || __builtin_add_overflow(*span, part, span))
+      return 0;
+    terms[(*n)++] = (overlap_term){coef, (uint64_t)(t->sizes[d] - 1)};
+  }
+  return 1;
+}
+
+static int tensor_is_empty(const pkv_tensor *t) {
+  for (int d = 0; d < t->ndim && d < PKV_MAX_DIMS; d++)
+    if (t->sizes[d] == 0) return 1;
+  return t->data == NULL;
+}
+
+/* 1 when a and b may share a byte (exact within OVERLAP_WORK steps; overflow also counts as
+ * sharing). Sizes and strides are already validated (non-negative). */
+static int tensors_share_memory(const pkv_tensor *a, const pkv_tensor *b) {
+  if (!a->defined || !b->defined || a->device != b->device || tensor_is_empty(a) || tensor_is_empty(b)) return 0;
+  overlap_term terms[OVERLAP_MAX_TERMS];
+  int n = 0;
+  uint64_t span_a = 0, span_b = 0, ea = pkv_dtype_size(a->dtype), eb = pkv_dtype_size(b->dtype);
+  if (!overlap_add_terms(a, terms, &n, &span_a) || !overlap_add_terms(b, terms, &n, &span_b)) return 1;
+  terms[n++] = (overlap_term){1, ea - 1 + eb - 1};
+  /* target = b_base - a_base + span_b + eb - 1, which must lie in [0, span_a + span_b + ea + eb - 2] */
+  uintptr_t pa = (uintptr_t)a->data, pb = (uintptr_t)b->data;
+  uint64_t target;
+  if (pb >= pa) {
+    if (__builtin_add_overflow((uint64_t)(pb - pa), span_b + eb - 1, &target)) return 0; /* b starts past a's end */
+  } else {
+    uint64_t before = (uint64_t)(pa - pb);
+    if (before > span_b + eb - 1) return 0; /* b ends before a starts */
+    target = span_b + eb - 1 - before;
+  }
+  /* largest coefficient first; equal ones merged */
+  for (int i = 1; i < n; i++)
+    for (int j = i; j > 0 && terms[j].coef > terms[j - 1].coef; j--) {
+      overlap_term swap = terms[j];
+      terms[j] = terms[j - 1];
+      terms[j - 1] = swap;
+    }
+  int m = 0;
+  for (int i = 0; i < n; i++) {
+    if (m > 0 && terms[m - 1].coef == terms[i].coef) {
+      if (__builtin_add_overflow(terms[m - 1].bound, terms[i].bound, &terms[m - 1].bound)) return 1;
+    } else {
+      terms[m++] = terms[i];
+    }
+  }
+  uint64_t reach[OVERLAP_MAX_TERMS];
+  uint64_t sum = 0;
+  for (int i = m - 1; i >= 0; i--) {
+    uint64_t part;
+    if (__builtin_mul_overflow(terms[i].coef, terms[i].bound, &part) || __builtin_add_overflow(sum, part, &sum))
+      return 1;
+    reach[i] = sum;
+  }
+  int64_t work = OVERLAP_WORK;
+  return overlap_search(terms, reach, 0, m, target, &work);
+}
+
+/* x must share no memory with y; `why` ends the message. */
+static pkv_status need_disjoint(const pkv_tensor *x, const char *x_name, const pkv_tensor *y, const char *y_name,
+                                const char *why, const char *op, pkv_error *err) {
+  if (tensors_share_memory(x, y))
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s overlaps %s (they share memory); %s", op, x_name, y_name, why);
+  return PKV_OK;
+}
+
+static const char *const READ_VS_WRITTEN = "a tensor the call reads must not alias one it writes";
+
+/* Every written tensor against every read one (x named first) and written ones pairwise. */
+typedef struct {
+  const pkv_tensor *t;
+  const char *name;
+} named_tensor;
+
+static pkv_status need_no_aliasing(const named_tensor *written, int num_written, const named_tensor *read,
+                                   int num_read, const char *written_why, const char *op, pkv_error *err) {
+  for (int w = 0; w < num_written; w++) {
+    for (int r = 0; r < num_read; r++)
+      TRY(need_disjoint(read[r].t, read[r].name, written[w].t, written[w].name, READ_VS_WRITTEN, op, err));
+    for (int v = 0; v < w; v++)
+      TRY(need_disjoint(written[w].t, written[w].name, written[v].t, written[v].name, written_why, op, err));
+  }
+  return PKV_OK;
+}
+
 /* ---- index value checks (host-readable index data) ---- */
 
 static pkv_status check_offsets_values(const pkv_index_view *offsets, const char *name, int64_t rows_available,
@@ -284,6 +415,11 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
   }
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
+  const named_tensor written[] = {{&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}, {&a->k_scales, "k_scales"},
+                                  {&a->v_scales, "v_scales"}};
+  const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
+                               {&a->input_row_offsets, "input_row_offsets"}, {&a->key, "key"}, {&a->value, "value"}};
+  TRY(need_no_aliasing(written, 4, read, 5, "pass separate K and V caches (and scales)", op, err));
   if (!check_values) return PKV_OK;
 
   pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
@@ -319,6 +455,11 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   TRY(need_device(&a->out, device, op, "out", "cache", err));
   TRY(check_index_tensors(&a->output_row_offsets, "output_row_offsets", &a->seq_lens, "seq_lens", &a->lookup_table,
                           device, "cache", op, err));
+  const named_tensor written[] = {{&a->out, "out"}};
+  const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->seq_lens, "seq_lens"},
+                               {&a->output_row_offsets, "output_row_offsets"}, {&a->cache, "cache"},
+                               {&a->scales, "scales"}};
+  TRY(need_no_aliasing(written, 1, read, 5, "", op, err));
   if (!check_values) return PKV_OK;
 
   pkv_index_view offsets = pkv_index_view_from(&a->output_row_offsets);
@@ -361,6 +502,9 @@ static pkv_status check_lse(const pkv_tensor *t, int64_t rows, int64_t heads, in
 
 /* ---- flash_attn_paged ---- */
 
+#define PKV_FLOAT_ARG_MAX 1e18 /* |scale|, softcap: 1e18 * log2(e) and 1e18 / 1e-18 fit float32 */
+#define PKV_SOFTCAP_MIN 1e-18  /* a normal float32, far above the flush-to-zero range */
+
 /* The operands every attention op shares: q [T, Hq, D], the K/V caches and scales, scale, softcap,
  * sinks [Hq] and out [T, Hq, Dv]. */
 static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, const pkv_tensor *k_cache,
@@ -391,12 +535,15 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
     return pkv_fail(err, PKV_ERR_ARGUMENT,
                     "%s: q.size(1) (Hq = %lld) must be a positive multiple of k_cache.size(2) (Hk = %lld)", op,
                     (long long)hq, (long long)hk);
-  /* inf would give softcap * tanh(s / softcap) = inf * 0 = NaN for every score */
-  if (!(softcap >= 0.0) || softcap == 1.0 / 0.0)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be finite and >= 0 (0 disables it), got %g", op,
-                    softcap);
-  if (!(scale == scale) || scale == 1.0 / 0.0 || scale == -1.0 / 0.0)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite, got %g", op, scale);
+  /* Kernels take scale and softcap as float32 and form scale * log2(e), softcap * log2(e) and
+   * scale / softcap: within these bounds none overflows (an inf gives inf * 0 = NaN scores) and no
+   * softcap flushes to 0 (which would silently disable it). */
+  if (!(softcap == 0.0 || (softcap >= PKV_SOFTCAP_MIN && softcap <= PKV_FLOAT_ARG_MAX)))
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: softcap must be 0 (off) or in [%g, %g], got %g", op, PKV_SOFTCAP_MIN,
+                    PKV_FLOAT_ARG_MAX, softcap);
+  if (!(scale >= -PKV_FLOAT_ARG_MAX && scale <= PKV_FLOAT_ARG_MAX))
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: scale must be finite with |scale| <= %g, got %g", op,
+                    PKV_FLOAT_ARG_MAX, scale);
   TRY(need_defined(out, op, "out", err));
   TRY(need_dims(out, 3, op, "out", "[T, Hq, Dv]", err));
   if (out->dtype != q->dtype)
@@ -428,6 +575,12 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   if (a->lse.defined) TRY(check_lse(&a->lse, a->q.sizes[0], a->q.sizes[1], device, op, "lse", "k_cache", 1, err));
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
+  const named_tensor written[] = {{&a->out, "out"}, {&a->lse, "lse"}};
+  const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
+                               {&a->input_row_offsets, "input_row_offsets"}, {&a->q, "q"},
+                               {&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}, {&a->k_scales, "k_scales"},
+                               {&a->v_scales, "v_scales"}, {&a->sinks, "sinks"}};
+  TRY(need_no_aliasing(written, 2, read, 9, "out and lse must be separate memory", op, err));
   if (!check_values) return PKV_OK;
 
   pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
@@ -502,7 +655,10 @@ pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err) {
   TRY(check_lse(&a->lse_b, rows, heads, device, op, "lse_b", "out_a", 0, err));
   TRY(check_state_out(&a->out, &a->out_a, op, "out", 1, err));
   TRY(check_lse(&a->lse, rows, heads, device, op, "lse", "out_a", 1, err));
-  return PKV_OK;
+  const named_tensor written[] = {{&a->out, "out"}, {&a->lse, "lse"}};
+  const named_tensor read[] = {{&a->out_a, "out_a"}, {&a->lse_a, "lse_a"}, {&a->out_b, "out_b"},
+                               {&a->lse_b, "lse_b"}};
+  return need_no_aliasing(written, 2, read, 4, "out and lse must be separate memory", op, err);
 }
 
 /* ---- flash_attn_paged_sparse ---- */
@@ -521,6 +677,10 @@ pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_erro
   if (ix->sizes[1] != hk && ix->sizes[1] != 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: indices.size(1) must be %lld (Hk: one list per KV head) or 1 (one "
                     "list shared by all heads), got %lld", op, (long long)hk, (long long)ix->sizes[1]);
+  const named_tensor written[] = {{&a->out, "out"}};
+  const named_tensor read[] = {{ix, "indices"}, {&a->q, "q"}, {&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"},
+                               {&a->k_scales, "k_scales"}, {&a->v_scales, "v_scales"}, {&a->sinks, "sinks"}};
+  TRY(need_no_aliasing(written, 1, read, 7, "", op, err));
   if (!check_values) return PKV_OK;
   int64_t tokens; /* N * P; saturated, since an int32 entry is below any product too large for int64 */
   if (__builtin_mul_overflow(a->k_cache.sizes[0], a->k_cache.sizes[1], &tokens)) tokens = INT64_MAX;

@@ -348,10 +348,117 @@ static void test_overflow_edges(void) {
   EXPECT_PASS(pkv_load_check(&d, 1, &err_));
 }
 
+/* ---- aliasing: written tensors against everything else ---- */
+
+/* 1 when the two views share a byte, by enumerating every element of both (tiny views only). */
+static int brute_force_share(const pkv_tensor *a, const pkv_tensor *b, const char *base, size_t bytes) {
+  unsigned char *mark = calloc(bytes, 1);
+  const pkv_tensor *views[2] = {a, b};
+  int shared = 0;
+  for (int v = 0; v < 2; v++) {
+    const pkv_tensor *t = views[v];
+    size_t elem = pkv_dtype_size(t->dtype);
+    for (int64_t i0 = 0; i0 < t->sizes[0]; i0++)
+      for (int64_t i1 = 0; i1 < t->sizes[1]; i1++)
+        for (int64_t i2 = 0; i2 < t->sizes[2]; i2++)
+          for (int64_t i3 = 0; i3 < t->sizes[3]; i3++) {
+            size_t at = (size_t)((const char *)t->data - base) +
+                        elem * (size_t)(i0 * t->strides[0] + i1 * t->strides[1] + i2 * t->strides[2] + i3);
+            for (size_t k = 0; k < elem; k++) {
+              if (v == 0) mark[at + k] = 1;
+              else shared |= mark[at + k];
+            }
+          }
+  }
+  free(mark);
+  return shared;
+}
+
+static void test_aliasing(void) {
+  static float buffer[4096];
+  int64_t n = 3, l = 2, p = 2, h = 2, d = 4;
+  /* the contract's layouts stay legal: collection [N, 2, L, P, Hk, D] (K and V of a layer interleave page
+   * by page), FA3 [2, N, P, Hk, D], K and V interleaved per token [N, P, 2, Hk, D] */
+  int64_t coll[4] = {2 * l * p * h * d, h * d, d, 1}, tok[4] = {p * 2 * h * d, 2 * h * d, d, 1};
+  struct {
+    int64_t v_offset;
+    const int64_t *strides;
+  } legal[] = {{l * p * h * d, coll}, {n * p * h * d, (int64_t[]){p * h * d, h * d, d, 1}}, {h * d, tok}};
+  for (size_t i = 0; i < sizeof legal / sizeof legal[0]; i++) {
+    for (int64_t layer = 0; layer < l; layer++) {
+      pkv_store_args a = store_valid();
+      float *k = buffer + (legal[i].strides == coll ? layer * p * h * d : 0);
+      a.k_cache = tensor_strided(k, PKV_DTYPE_F32, 4, (int64_t[]){n, p, h, d}, legal[i].strides);
+      a.v_cache = tensor_strided(k + legal[i].v_offset, PKV_DTYPE_F32, 4, (int64_t[]){n, p, h, d}, legal[i].strides);
+      a.key = T3(s_key, PKV_DTYPE_F32, ST, h, d);
+      a.value = T3(s_value, PKV_DTYPE_F32, ST, h, d);
+      a.lookup_table = T2(s_table, PKV_DTYPE_I32, SB, SMAXP);
+      EXPECT_PASS(pkv_store_check(&a, 0, &err_));
+    }
+  }
+
+  /* the reported case: v_cache the same tensor as k_cache */
+  pkv_store_args b = store_valid();
+  b.v_cache = b.k_cache;
+  EXPECT_FAIL(pkv_store_check(&b, 0, &err_), PKV_ERR_ARGUMENT, "paged_store", "v_cache overlaps k_cache");
+  /* a lookup table that is a view of the cache being written, and the other index tensors */
+  b = store_valid();
+  b.lookup_table = T2((int32_t *)s_kc + 40, PKV_DTYPE_I32, SB, SMAXP);
+  EXPECT_FAIL(pkv_store_check(&b, 0, &err_), PKV_ERR_ARGUMENT, "paged_store", "lookup_table overlaps k_cache");
+  b = store_valid();
+  b.cache_lengths = T1((int32_t *)s_vc + SN * SP * SH * SD - 1, PKV_DTYPE_I32, SB); /* straddles v_cache's end */
+  EXPECT_FAIL(pkv_store_check(&b, 0, &err_), PKV_ERR_ARGUMENT, "paged_store", "cache_lengths overlaps v_cache");
+  b = store_valid();
+  b.input_row_offsets = T1((int32_t *)s_kc, PKV_DTYPE_I32, SB + 1);
+  EXPECT_FAIL(pkv_store_check(&b, 0, &err_), PKV_ERR_ARGUMENT, "paged_store", "input_row_offsets overlaps k_cache");
+  /* a table right after the cache's last byte is legal; one element earlier it is not */
+  b = store_valid();
+  b.k_cache = T4(buffer, PKV_DTYPE_F32, SN, SP, SH, SD);
+  b.lookup_table = T2((int32_t *)(buffer + SN * SP * SH * SD), PKV_DTYPE_I32, SB, SMAXP);
+  EXPECT_PASS(pkv_store_check(&b, 0, &err_));
+  b.lookup_table.data = (int32_t *)b.lookup_table.data - 1;
+  EXPECT_FAIL(pkv_store_check(&b, 0, &err_), PKV_ERR_ARGUMENT, "paged_store", "lookup_table overlaps k_cache");
+
+  /* random strided K and V views of one buffer: refused exactly when they share an element */
+  int refused = 0, accepted = 0;
+  for (int trial = 0; trial < 3000; trial++) {
+    int64_t sizes[4] = {1 + (int64_t)(rnd() % 3), 1 + (int64_t)(rnd() % 3), 1 + (int64_t)(rnd() % 2),
+                        1 + (int64_t)(rnd() % 4)};
+    int64_t ks[4], vs[4];
+    for (int i = 0; i < 3; i++) ks[i] = 1 + (int64_t)(rnd() % 40), vs[i] = rnd() % 4 ? ks[i] : 1 + (int64_t)(rnd() % 40);
+    ks[3] = vs[3] = 1;
+    pkv_store_args a = store_valid();
+    a.k_cache = tensor_strided(buffer + rnd() % 200, PKV_DTYPE_F32, 4, sizes, ks);
+    a.v_cache = tensor_strided(buffer + rnd() % 200, rnd() % 2 ? PKV_DTYPE_F32 : PKV_DTYPE_BF16, 4, sizes, vs);
+    a.key = T3(s_key, PKV_DTYPE_F32, 1, sizes[2], sizes[3]);
+    a.value = T3(s_value, PKV_DTYPE_F32, 1, sizes[2], sizes[3]);
+    pkv_error err;
+    int fails = pkv_store_check(&a, 0, &err) != PKV_OK;
+    int shares = brute_force_share(&a.k_cache, &a.v_cache, (const char *)buffer, sizeof buffer);
+    CHECK(fails == shares, "trial %d: check %s (%s) but the views %s", trial, fails ? "refused" : "accepted",
+          fails ? err.message : "", shares ? "share memory" : "are disjoint");
+    if (fails) CHECK(strstr(err.message, "v_cache overlaps k_cache") != NULL, "message: %s", err.message);
+    refused += fails, accepted += !fails;
+  }
+  CHECK(refused > 300 && accepted > 300, "random views: %d refused, %d accepted", refused, accepted);
+
+  /* out and lse of attention, out of paged_load */
+  pkv_attn_args c = attn_valid();
+  c.out = c.q; /* same shape here: out over q */
+  EXPECT_FAIL(pkv_attn_check(&c, 0, &err_), PKV_ERR_ARGUMENT, "flash_attn_paged", "q overlaps out");
+  c = attn_valid();
+  c.out.data = c.k_cache.data;
+  EXPECT_FAIL(pkv_attn_check(&c, 0, &err_), PKV_ERR_ARGUMENT, "flash_attn_paged", "k_cache overlaps out");
+  pkv_load_args e = load_valid();
+  e.lookup_table.data = (int32_t *)e.out.data + 8;
+  EXPECT_FAIL(pkv_load_check(&e, 0, &err_), PKV_ERR_ARGUMENT, "paged_load", "lookup_table overlaps out");
+}
+
 int main(void) {
   test_store_check();
   test_load_check();
   test_attn_check();
   test_overflow_edges();
+  test_aliasing();
   return check_report("op checkers");
 }

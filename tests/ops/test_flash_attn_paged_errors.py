@@ -7,6 +7,7 @@ tests on every CPU kernel path) and the rejections they rely on.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -140,6 +141,51 @@ def test_flash_attn_paged_meta_argument_is_rejected_by_name():
 def test_flash_attn_paged_infinite_softcap_is_rejected():
     cache = torch.ones((1, 1, 1, 4))
     index = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="softcap must be finite"):
+    with pytest.raises(RuntimeError, match="softcap must be 0 .off. or in"):
         pagedkv.flash_attn_paged(torch.ones((1, 1, 4)), index[0], cache, cache, index[1],
                                  torch.tensor([[0]], dtype=torch.int32), softcap=math.inf)
+
+
+# Float arguments the kernels cannot use as float32: refused by name with the value. 1e300 overflowed
+# float32 (all-NaN outputs); a softcap of 1e-300 flushed to 0 and silently disabled the cap.
+BAD_FLOATS = [("scale", 1e300), ("scale", -1e300), ("scale", 1e19), ("scale", math.nan), ("softcap", 1e300),
+              ("softcap", 1e19), ("softcap", 1e-300), ("softcap", 1e-19), ("softcap", -1e-300)]
+
+
+def _tiny_attention_call():
+    cache = torch.ones((2, 2, 1, 8))
+    index = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    return torch.ones((1, 2, 8)), index[0], cache, cache, index[1], torch.tensor([[1]], dtype=torch.int32)
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("name,value", BAD_FLOATS, ids=[f"{n}={v:g}" for n, v in BAD_FLOATS])
+def test_float_arguments_outside_float32_are_refused(name, value):
+    q, offsets, k_cache, v_cache, lengths, table = _tiny_attention_call()
+    indices = torch.zeros((1, 1, 2), dtype=torch.int32)
+    calls = {
+        "flash_attn_paged": lambda **kw: pagedkv.flash_attn_paged(q, offsets, k_cache, v_cache, lengths, table, **kw),
+        "flash_attn_paged_lse": lambda **kw: pagedkv.flash_attn_paged_lse(q, offsets, k_cache, v_cache, lengths,
+                                                                          table, **kw),
+        "flash_attn_paged_sparse": lambda **kw: pagedkv.flash_attn_paged_sparse(q, k_cache, v_cache, indices, **kw),
+        "cascade": lambda **kw: pagedkv.cascade_attention(q, offsets, k_cache, v_cache, lengths + 2,
+                                                          torch.tensor([[0, 1]], dtype=torch.int32), 1, **kw),
+    }
+    for op, call in calls.items():
+        checker = "flash_attn_paged_sparse" if op.endswith("sparse") else "flash_attn_paged"  # lse, cascade too
+        with pytest.raises(RuntimeError, match=f"^{checker}: {name} must .* got {re.escape(f'{value:g}')}"):
+            call(**{name: value})
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("name,value", [("softcap", 1e-18), ("softcap", 1e18), ("scale", 1e-18), ("scale", -1e-30)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)
+def test_float_arguments_at_the_limits_match_the_reference(dtype, name, value):
+    gen = generator(seed_from("float limits", dtype_name(dtype), name, value))
+    k_cache, v_cache = randn(gen, (3, 4, 1, 8), dtype), randn(gen, (3, 4, 1, 8), dtype)
+    q = randn(gen, (3, 2, 8), dtype, scale=4.0)
+    args = (q, torch.tensor([0, 3], dtype=torch.int32), k_cache, v_cache, torch.tensor([6], dtype=torch.int32),
+            torch.tensor([[2, 0, 1]], dtype=torch.int32))
+    got = pagedkv.flash_attn_paged(*args, **{name: value})
+    expected = ref.flash_attn_paged(*args, **{name: value})
+    assert_attention_close(got, expected, dtype, f"{name}={value:g}")
