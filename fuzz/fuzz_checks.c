@@ -293,6 +293,49 @@ static void require_only_marked(const uint8_t *before, const uint8_t *after, con
     if (before[i] != after[i] && !mark[i]) require(0, "no write outside the addressed rows", what);
 }
 
+/* ---- aliasing: a read tensor (or a second written one) placed inside a written tensor's buffer ---- */
+
+/* Moves t's data into host's buffer at an element-aligned offset where t's span fits; 0 if it cannot. */
+static int alias_into(reader *r, pkv_tensor *t, const pkv_tensor *host) {
+  if (!t->defined || !host->defined || !t->data || !host->data || t->data == g_unbacked || host->data == g_unbacked)
+    return 0;
+  size_t need = bytes_of(t), have = bytes_of(host), es = pkv_dtype_size(t->dtype);
+  if (need == 0 || need > have || es == 0) return 0;
+  t->data = (uint8_t *)host->data + (size_t)take_below(r, (int64_t)((have - need) / es) + 1) * es;
+  return 1;
+}
+
+/* mark[byte - host start] for every byte of t's elements (t inside host's buffer, small). */
+static void mark_elements(uint8_t *mark, const pkv_tensor *t, const pkv_tensor *host) {
+  int64_t idx[PKV_MAX_DIMS] = {0}, dims = t->ndim, es = (int64_t)pkv_dtype_size(t->dtype);
+  for (int d = 0; d < dims; d++)
+    if (t->sizes[d] == 0) return;
+  for (;;) {
+    int64_t e = 0;
+    for (int d = 0; d < dims; d++) e += idx[d] * t->strides[d];
+    memset(mark + ((uint8_t *)t->data - (uint8_t *)host->data) + e * es, 1, (size_t)es);
+    int d = dims - 1;
+    while (d >= 0 && ++idx[d] == t->sizes[d]) idx[d--] = 0;
+    if (d < 0) return;
+  }
+}
+
+/* Property: a check that passed with `t` placed inside `host` means no element of t shares a byte
+ * with one of host (counted element by element; skipped for tensors too large to enumerate). */
+static void require_disjoint(const pkv_tensor *t, const pkv_tensor *host, const char *what) {
+  size_t have = bytes_of(host);
+  int64_t elements = 1;
+  for (int d = 0; d < t->ndim && d < PKV_MAX_DIMS; d++) elements = mul_sat(elements, t->sizes[d]);
+  for (int d = 0; d < host->ndim && d < PKV_MAX_DIMS; d++) elements = mul_sat(elements, host->sizes[d]);
+  if (!have || t->ndim > PKV_MAX_DIMS || host->ndim > PKV_MAX_DIMS || elements > ((int64_t)1 << 24)) return;
+  uint8_t *a = calloc(have, 1), *b = calloc(have, 1);
+  mark_elements(a, host, host);
+  mark_elements(b, t, host);
+  for (size_t i = 0; i < have; i++) require(!(a[i] && b[i]), "a check refuses aliasing of written memory", what);
+  free(a);
+  free(b);
+}
+
 static void fuzz_store(reader *r) {
   geometry g;
   arena m = {0};
@@ -314,11 +357,23 @@ static void fuzz_store(reader *r) {
   a.input_row_offsets = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B + 1}, 0);
   a.cache_lengths = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B}, 0);
   a.lookup_table = decode_tensor(r, &m, 2, 2, (int64_t[]){g.B, g.cols}, 0);
+  /* sometimes an index tensor inside a written cache or scales (filled below, like a table that is a
+   * view of the cache), or v_cache inside k_cache's buffer */
+  pkv_tensor *alias = NULL, *host = NULL;
+  uint8_t pick = take(r);
+  if (pick % 4 == 1) {
+    pkv_tensor *reads[4] = {&a.lookup_table, &a.cache_lengths, &a.input_row_offsets, &a.v_cache};
+    pkv_tensor *writes[3] = {&a.k_cache, &a.v_cache, &a.k_scales};
+    alias = reads[(pick >> 2) % 4];
+    host = alias == &a.v_cache ? &a.k_cache : writes[(pick >> 4) % 3];
+    if (alias == host || !alias_into(r, alias, host)) alias = host = NULL;
+  }
   fill_index(&a.input_row_offsets, g.offsets, g.B + 1);
   fill_index(&a.cache_lengths, g.lengths, g.B);
   fill_index(&a.lookup_table, g.table, g.B * g.cols);
   pkv_status st;
   RUN_CHECK(pkv_store_check, &a, "paged_store", STORE_NAMES, st);
+  if (alias && st == PKV_OK) require_disjoint(alias, host, "paged_store");
   g_stats[0][0]++;
   if (st != PKV_OK || m.oversize) goto done;
   g_stats[0][1]++;
@@ -353,7 +408,9 @@ static void fuzz_store(reader *r) {
   g_stats[0][2]++;
   for (int i = 0; i < 4; i++) {
     if (!before[i]) continue;
-    require_only_marked(before[i], written[i]->data, mark[i], bytes_of(written[i]), "paged_store");
+    /* v_cache inside k_cache's buffer: each snapshot spans the other's rows, so only ASan judges */
+    if (alias != &a.v_cache)
+      require_only_marked(before[i], written[i]->data, mark[i], bytes_of(written[i]), "paged_store");
     free(before[i]);
     free(mark[i]);
   }
@@ -390,11 +447,19 @@ static void fuzz_load(reader *r) {
   a.lookup_table = decode_tensor(r, &m, 2, 2, (int64_t[]){g.B, g.cols}, 0);
   a.seq_lens = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B}, 0);
   a.output_row_offsets = decode_tensor(r, &m, 2, 1, (int64_t[]){g.B + 1}, 0);
+  pkv_tensor *alias = NULL;
+  uint8_t pick = take(r);
+  if (pick % 4 == 1) { /* an index tensor inside out */
+    pkv_tensor *reads[3] = {&a.lookup_table, &a.seq_lens, &a.output_row_offsets};
+    alias = reads[(pick >> 2) % 3];
+    if (!alias_into(r, alias, &a.out)) alias = NULL;
+  }
   fill_index(&a.lookup_table, g.table, g.B * g.cols);
   fill_index(&a.seq_lens, seq, g.B);
   fill_index(&a.output_row_offsets, out_offsets, g.B + 1);
   pkv_status st;
   RUN_CHECK(pkv_load_check, &a, "paged_load", LOAD_NAMES, st);
+  if (alias && st == PKV_OK) require_disjoint(alias, &a.out, "paged_load");
   g_stats[1][0]++;
   if (st != PKV_OK || m.oversize) goto done;
   g_stats[1][1]++;
@@ -429,8 +494,8 @@ done:
 }
 
 /* Attention options, normal and hostile (picked by bytes). */
-static const double FUZZ_SCALES[] = {0.25, 1.0, 0.0, -0.5, 1e30, 1e-30, NAN, INFINITY};
-static const double FUZZ_SOFTCAPS[] = {0.0, 0.0, 5.0, 1e-30, -1.0, NAN, INFINITY, 30.0};
+static const double FUZZ_SCALES[] = {0.25, 1.0, 0.0, -0.5, 1e18, 1e300, NAN, INFINITY};
+static const double FUZZ_SOFTCAPS[] = {0.0, 1e-300, 5.0, 1e-18, -1.0, NAN, 1e300, 30.0};
 
 /* The operands flash_attn_paged and its sparse form share: the caches, their FP8 scales, q and out
  * (usually of q's dtype, as the ops require). */
@@ -474,11 +539,23 @@ static void fuzz_attn(reader *r) {
   /* flash_attn_paged_lse's log-sum-exps and the attention sinks, each sometimes */
   a.sinks = decode_tensor(r, &m, 3, 1, (int64_t[]){g.Hq}, 1);
   a.lse = decode_tensor(r, &m, 3, 2, (int64_t[]){g.T, g.Hq}, 1);
+  /* sometimes an index tensor inside out or lse, or out inside q or a cache */
+  pkv_tensor *alias = NULL, *host = NULL;
+  uint8_t pick = take(r);
+  if (pick % 4 == 1) {
+    pkv_tensor *reads[3] = {&a.lookup_table, &a.cache_lengths, &a.input_row_offsets};
+    alias = reads[(pick >> 2) % 3], host = (pick >> 4) & 1 ? &a.lse : &a.out;
+  } else if (pick % 4 == 2) {
+    pkv_tensor *inputs[3] = {&a.q, &a.k_cache, &a.v_cache};
+    alias = &a.out, host = inputs[(pick >> 2) % 3];
+  }
+  if (alias && !alias_into(r, alias, host)) alias = host = NULL;
   fill_index(&a.input_row_offsets, g.offsets, g.B + 1);
   fill_index(&a.cache_lengths, g.lengths, g.B);
   fill_index(&a.lookup_table, g.table, g.B * g.cols);
   pkv_status st;
   RUN_CHECK(pkv_attn_check, &a, "flash_attn_paged", ATTN_NAMES, st);
+  if (alias && st == PKV_OK) require_disjoint(alias, host, "flash_attn_paged");
   g_stats[2][0]++;
   if (st != PKV_OK || m.oversize) goto done;
   g_stats[2][1]++;
