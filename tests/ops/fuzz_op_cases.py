@@ -335,15 +335,23 @@ def attn_case(r, gen, desc):
         specs = [("k", k_dtype, D), ("v", v_dtype, Dv)]
     bases, views_fn, layout = cache_planes(r, gen, N, P, Hk, specs, group, fill_kind="values")
     desc.append(layout)
-    if specials:  # inf/NaN in K only: the reference multiplies masked V rows by 0 (0 * inf = NaN)
-        k_view = views_fn(bases)["k"]
-        first = Dv if mla else 0
-        if k_view.numel() and first < D:
+    if specials:  # inf/NaN in K and V values and FP8 scales, at any key (masked ones included)
+        views = views_fn(bases)
+        first = Dv if mla else 0  # MLA: V is K's first Dv channels; specials only past them
+        for name, lo, hi in (("k", first, D), ("v", 0, Dv), ("k_scales", 0, None), ("v_scales", 0, None)):
+            view = views.get(name)
+            if view is None or not view.numel() or (name == "v" and mla) or r.random() < 0.5:
+                continue
+            hi = view.shape[-1] if hi is None else hi
+            if lo >= hi:
+                continue
             for _ in range(r.randint(1, 3)):
-                at = (r.randrange(N), r.randrange(P), r.randrange(Hk), r.randrange(first, D))
-                k_view[at] = to_dtype(torch.tensor(pick(r, [math.inf, -math.inf, math.nan]), dtype=torch.float64),
-                                      k_dtype)
-            desc.append("k_specials")
+                at = (r.randrange(N), r.randrange(P), r.randrange(Hk), r.randrange(lo, hi))
+                # an infinite K scale only as NaN: the kernels fold a row's scale into its score, (q . k) * s,
+                # where the contract's element value k * s gives inf - inf = NaN in q . k; both are fine
+                value = math.nan if name == "k_scales" else pick(r, [math.inf, -math.inf, math.nan])
+                view[at] = to_dtype(torch.tensor(value, dtype=torch.float64), view.dtype)
+            desc.append(f"{name}_specials")
     # Hq must be a positive multiple of Hk: 0 heads, or (when Hk > 1) a non-multiple, is invalid
     bad_hq = pick(r, [0, Hk + 1]) if Hk > 1 else 0
     q = ragged(r, gen, T, Hq, D, q_dtype, "q", mut, names, bad_heads=bad_hq)
@@ -478,7 +486,7 @@ def assert_attention_matches(got, expected, args, desc):
 
 
 def poisoned_rows(args):
-    """[T, Hq] bool: the query row's scores include a non-finite value (float64 inputs)."""
+    """[T, Hq] bool: the query row sees a key whose score or value is not finite (float64 inputs)."""
     (q, offsets, k_cache, v_cache, lengths, table, scale, causal, ks, vs, group, window_left, softcap) = args
     T, Hq, _ = q.shape
     Hk = k_cache.shape[2]
@@ -491,7 +499,10 @@ def poisoned_rows(args):
             continue
         total = lens[b] + new
         keys = ref.gather_rows(k_cache, ks, table[b : b + 1], [total], quant_group=group, out_dtype=torch.float64)[0]
-        bad_key = ~torch.isfinite(keys).all(-1)  # [total, Hk]
+        values = ref.gather_rows(v_cache, vs, table[b : b + 1], [total], quant_group=group, out_dtype=torch.float64)[0]
+        # a key whose score or value is not finite (a row that sees a non-finite value may be non-finite
+        # in more columns than the reference, e.g. 0 * inf where a probability rounds to 0)
+        bad_key = ~torch.isfinite(keys).all(-1) | ~torch.isfinite(values).all(-1)  # [total, Hk]
         for i in range(new):
             p = lens[b] + i
             hi = min(p + 1, total) if causal else total
