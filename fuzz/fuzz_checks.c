@@ -182,6 +182,17 @@ static pkv_tensor decode_tensor_as(reader *r, arena *m, int kind, int ndim, cons
   return t;
 }
 
+/* A per-tensor scale that passed its check, in the readers' form, as the torch shims hand it to the
+ * kernels: a broadcast per-token view over one copy per group (pkv_scales_broadcast). */
+static void broadcast_per_tensor_scale(pkv_tensor *s, const pkv_tensor *cache, int64_t group, arena *m) {
+  if (!pkv_scales_per_tensor(s) || m->count >= MAX_TENSORS) return;
+  int64_t groups = pkv_num_groups(cache->sizes[3], group);
+  float *copies = malloc((size_t)groups * sizeof *copies);
+  for (int64_t i = 0; i < groups; i++) copies[i] = *(const float *)s->data;
+  m->buffers[m->count++] = copies;
+  pkv_scales_broadcast(s, cache, group, copies);
+}
+
 /* Write int32 values into an index tensor's elements (logical order). */
 static void fill_index(pkv_tensor *t, const int32_t *values, int64_t count) {
   if (!t->defined || t->dtype != PKV_DTYPE_I32 || !t->data || t->data == g_unbacked || t->ndim < 1 || t->ndim > 2)
@@ -466,6 +477,8 @@ static void fuzz_load(reader *r) {
   /* pkv_load_cpu_work is B * max_pages: a broadcast table of absurd width would overflow it and
    * loop for hours (reported against the kernel); such calls are check-only here */
   if (mul_sat(a.lookup_table.sizes[0], a.lookup_table.sizes[1]) > MAX_KERNEL_WORK) goto done;
+  broadcast_per_tensor_scale(&a.scales, &a.cache, a.quant_group, &m);
+  if (pkv_scales_per_tensor(&a.scales)) goto done; /* no room left for its copies */
   int64_t work = pkv_load_cpu_work(&a);
   int64_t per_item = mul_sat(mul_sat(a.cache.sizes[1], a.cache.sizes[2]), a.cache.sizes[3]);
   if (work > MAX_KERNEL_WORK || mul_sat(work, per_item) > 50 * MAX_KERNEL_WORK) goto done;
@@ -569,6 +582,9 @@ static void fuzz_attn(reader *r) {
     cost = add_sat(cost, mul_sat(row, add_sat(a.k_cache.sizes[3], a.v_cache.sizes[3])));
   }
   if (cost > 10 * MAX_KERNEL_WORK) goto done;
+  broadcast_per_tensor_scale(&a.k_scales, &a.k_cache, a.quant_group, &m);
+  broadcast_per_tensor_scale(&a.v_scales, &a.v_cache, a.quant_group, &m);
+  if (pkv_scales_per_tensor(&a.k_scales) || pkv_scales_per_tensor(&a.v_scales)) goto done;
   pkv_attn_plan plan;
   pkv_error err;
   if (pkv_attn_cpu_plan(&a, &plan, &err) != PKV_OK) goto done;
@@ -631,6 +647,9 @@ static void fuzz_sparse(reader *r) {
   int64_t cost = mul_sat(mul_sat(mul_sat(a.q.sizes[0], a.q.sizes[1]), add_sat(a.indices.sizes[2], 1)),
                          add_sat(a.k_cache.sizes[3], a.v_cache.sizes[3]));
   if (cost > 10 * MAX_KERNEL_WORK) goto done;
+  broadcast_per_tensor_scale(&a.k_scales, &a.k_cache, a.quant_group, &m);
+  broadcast_per_tensor_scale(&a.v_scales, &a.v_cache, a.quant_group, &m);
+  if (pkv_scales_per_tensor(&a.k_scales) || pkv_scales_per_tensor(&a.v_scales)) goto done;
   int64_t work = pkv_sparse_cpu_work(&a), mid = work ? take_below(r, work + 1) : 0;
   pkv_error err;
   require(pkv_sparse_cpu(&a, mid, work, &err) == PKV_OK, "sparse kernel runs", err.message);

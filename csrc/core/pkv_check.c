@@ -103,7 +103,19 @@ static pkv_status check_cache(const pkv_tensor *c, const char *op, const char *n
   return PKV_OK;
 }
 
-/* Scales: required iff the cache is FP8; f32 [N, P, Hk, ceil(D/G)]. */
+/* With check_values (data host-readable): a per-tensor scale must be finite and > 0, the rule every
+ * reader's float(q) * s and the store's x / s rely on. Per-token scales are data, not checked. */
+static pkv_status check_scale_value(const pkv_tensor *s, const char *op, const char *name, pkv_error *err) {
+  if (!pkv_scales_per_tensor(s)) return PKV_OK;
+  float v = *(const float *)s->data;
+  if (!(v > 0.0f) || v == 1.0f / 0.0f)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s (a per-tensor scale) must be finite and > 0, got %g", op, name,
+                    (double)v);
+  return PKV_OK;
+}
+
+/* Scales: required iff the cache is FP8, on the cache's device; f32 [N, P, Hk, ceil(D/G)] (per token,
+ * head and group) or one element (per tensor: read, never written). */
 static pkv_status check_scales(const pkv_tensor *s, const pkv_tensor *cache, int64_t group, const char *op,
                                const char *name, const char *cache_name, int written, pkv_error *err) {
   if (!pkv_dtype_is_fp8(cache->dtype)) {
@@ -115,6 +127,17 @@ static pkv_status check_scales(const pkv_tensor *s, const pkv_tensor *cache, int
   if (!s->defined)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s is required because %s is %s", op, name, cache_name,
                     pkv_dtype_name(cache->dtype));
+  TRY(need_device(s, cache->device, op, name, cache_name, err));
+  if (pkv_scales_per_tensor(s)) {
+    if (s->dtype != PKV_DTYPE_F32)
+      return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, got %s", op, name, pkv_dtype_name(s->dtype));
+    return PKV_OK;
+  }
+  if (s->ndim != 4)
+    return pkv_fail(err, PKV_ERR_ARGUMENT,
+                    "%s: %s must be 4-D [N, P, Hk, ceil(D/G)] (per-token scales) or hold one element (shape [] or "
+                    "[1], a per-tensor scale), got %d-D with size(0) = %lld",
+                    op, name, s->ndim, s->ndim > 0 ? (long long)s->sizes[0] : 0LL);
   TRY(need_dims(s, 4, op, name, "[N, P, Hk, ceil(D/G)]", err));
   if (s->dtype != PKV_DTYPE_F32)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be float32, got %s", op, name, pkv_dtype_name(s->dtype));
@@ -406,22 +429,28 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
     TRY(need_device(&a->value, device, op, "value", "k_cache", err));
   }
   TRY(check_scales(&a->k_scales, &a->k_cache, a->quant_group, op, "k_scales", "k_cache", 1, err));
-  if (a->k_scales.defined) TRY(need_device(&a->k_scales, device, op, "k_scales", "k_cache", err));
   if (a->v_cache.defined) {
     TRY(check_scales(&a->v_scales, &a->v_cache, a->quant_group, op, "v_scales", "v_cache", 1, err));
-    if (a->v_scales.defined) TRY(need_device(&a->v_scales, device, op, "v_scales", "k_cache", err));
   } else if (a->v_scales.defined) {
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: v_scales must be None because v_cache is None", op);
   }
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
-  const named_tensor written[] = {{&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}, {&a->k_scales, "k_scales"},
-                                  {&a->v_scales, "v_scales"}};
-  const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
-                               {&a->input_row_offsets, "input_row_offsets"}, {&a->key, "key"}, {&a->value, "value"}};
-  TRY(need_no_aliasing(written, 4, read, 5, "pass separate K and V caches (and scales)", op, err));
+  named_tensor written[4] = {{&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}};
+  named_tensor read[7] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
+                          {&a->input_row_offsets, "input_row_offsets"}, {&a->key, "key"}, {&a->value, "value"}};
+  int num_written = 2, num_read = 5;
+  /* a per-tensor scale is only read (K and V may share one) */
+  const named_tensor scales[2] = {{&a->k_scales, "k_scales"}, {&a->v_scales, "v_scales"}};
+  for (int i = 0; i < 2; i++) {
+    if (pkv_scales_per_tensor(scales[i].t)) read[num_read++] = scales[i];
+    else written[num_written++] = scales[i];
+  }
+  TRY(need_no_aliasing(written, num_written, read, num_read, "pass separate K and V caches (and scales)", op, err));
   if (!check_values) return PKV_OK;
 
+  TRY(check_scale_value(&a->k_scales, op, "k_scales", err));
+  TRY(check_scale_value(&a->v_scales, op, "v_scales", err));
   pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
   pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
   pkv_index_view table = pkv_index_view_from(&a->lookup_table);
@@ -444,7 +473,6 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   TRY(check_cache(&a->cache, op, "cache", 0, err));
   int device = a->cache.device;
   TRY(check_scales(&a->scales, &a->cache, a->quant_group, op, "scales", "cache", 0, err));
-  if (a->scales.defined) TRY(need_device(&a->scales, device, op, "scales", "cache", err));
   TRY(need_defined(&a->out, op, "out", err));
   TRY(need_dims(&a->out, 3, op, "out", "[T_out, Hk, D]", err));
   TRY(need_float_input(&a->out, op, "out", err));
@@ -462,6 +490,7 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   TRY(need_no_aliasing(written, 1, read, 5, "", op, err));
   if (!check_values) return PKV_OK;
 
+  TRY(check_scale_value(&a->scales, op, "scales", err));
   pkv_index_view offsets = pkv_index_view_from(&a->output_row_offsets);
   pkv_index_view lengths = pkv_index_view_from(&a->seq_lens);
   pkv_index_view table = pkv_index_view_from(&a->lookup_table);
@@ -522,8 +551,6 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
   TRY(need_size(v_cache, 2, k_cache->sizes[2], op, "v_cache", "Hk of k_cache", err));
   TRY(check_scales(k_scales, k_cache, quant_group, op, "k_scales", "k_cache", 0, err));
   TRY(check_scales(v_scales, v_cache, quant_group, op, "v_scales", "v_cache", 0, err));
-  if (k_scales->defined) TRY(need_device(k_scales, device, op, "k_scales", "k_cache", err));
-  if (v_scales->defined) TRY(need_device(v_scales, device, op, "v_scales", "k_cache", err));
   TRY(need_defined(q, op, "q", err));
   TRY(need_dims(q, 3, op, "q", "[T, Hq, D]", err));
   TRY(need_float_input(q, op, "q", err));
@@ -583,6 +610,8 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   TRY(need_no_aliasing(written, 2, read, 9, "out and lse must be separate memory", op, err));
   if (!check_values) return PKV_OK;
 
+  TRY(check_scale_value(&a->k_scales, op, "k_scales", err));
+  TRY(check_scale_value(&a->v_scales, op, "v_scales", err));
   pkv_index_view offsets = pkv_index_view_from(&a->input_row_offsets);
   pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
   pkv_index_view table = pkv_index_view_from(&a->lookup_table);
@@ -682,6 +711,8 @@ pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_erro
                                {&a->k_scales, "k_scales"}, {&a->v_scales, "v_scales"}, {&a->sinks, "sinks"}};
   TRY(need_no_aliasing(written, 1, read, 7, "", op, err));
   if (!check_values) return PKV_OK;
+  TRY(check_scale_value(&a->k_scales, op, "k_scales", err));
+  TRY(check_scale_value(&a->v_scales, op, "v_scales", err));
   int64_t tokens; /* N * P; saturated, since an int32 entry is below any product too large for int64 */
   if (__builtin_mul_overflow(a->k_cache.sizes[0], a->k_cache.sizes[1], &tokens)) tokens = INT64_MAX;
   for (int64_t t = 0; t < ix->sizes[0]; t++)

@@ -24,14 +24,16 @@ typedef struct {
   pkv_tensor input_row_offsets; /* int32 [B+1] */
   pkv_tensor cache_lengths;     /* int32 [B] */
   pkv_tensor lookup_table;      /* int32 [B, max_pages] */
-  pkv_tensor k_scales;          /* f32 [N, P, Hk, ceil(D/G)] iff k_cache is FP8 */
-  pkv_tensor v_scales;          /* f32 [N, P, Hk, ceil(Dv/G)] iff v_cache is FP8 */
+  pkv_tensor k_scales;          /* iff k_cache is FP8: f32 [N, P, Hk, ceil(D/G)], written, or per tensor
+                                 * (one element, [] or [1]: read, pkv_scales_per_tensor) */
+  pkv_tensor v_scales;          /* the same for v_cache (Dv) */
   int64_t quant_group;
 } pkv_store_args;
 
 typedef struct {
   pkv_tensor cache;              /* [N, P, Hk, D] */
-  pkv_tensor scales;             /* f32 [N, P, Hk, ceil(D/G)] iff cache is FP8 */
+  pkv_tensor scales;             /* f32 [N, P, Hk, ceil(D/G)] iff cache is FP8; the checks also take a
+                                  * per-tensor one, kernels its pkv_scales_broadcast form */
   pkv_tensor lookup_table;       /* int32 [B, max_pages] */
   pkv_tensor seq_lens;           /* int32 [B] */
   pkv_tensor output_row_offsets; /* int32 [B+1] */
@@ -46,7 +48,7 @@ typedef struct {
   pkv_tensor v_cache;           /* [N, P, Hk, Dv] */
   pkv_tensor cache_lengths;     /* int32 [B] */
   pkv_tensor lookup_table;      /* int32 [B, max_pages] */
-  pkv_tensor k_scales, v_scales;
+  pkv_tensor k_scales, v_scales; /* as pkv_load_args' scales, for k_cache and v_cache */
   pkv_tensor out;               /* [T, Hq, Dv], q's dtype */
   double scale;                 /* already resolved: 1/sqrt(D) when the caller gave none */
   int causal;
@@ -70,7 +72,7 @@ typedef struct {
   pkv_tensor q;                 /* [T, Hq, D] f32/f16/bf16 */
   pkv_tensor k_cache, v_cache;  /* [N, P, Hk, D], [N, P, Hk, Dv] */
   pkv_tensor indices;           /* int32 [T, Hk or 1, K]: encoded tokens page * P + slot, or -1 (none) */
-  pkv_tensor k_scales, v_scales;
+  pkv_tensor k_scales, v_scales; /* as pkv_load_args' scales */
   pkv_tensor sinks;             /* f32 [Hq] or undefined */
   pkv_tensor out;               /* [T, Hq, Dv], q's dtype, written */
   double scale;                 /* resolved */
@@ -91,9 +93,9 @@ typedef struct {
   pkv_tensor lse;          /* f32 [T, H], written */
 } pkv_merge_args;
 
-/* check_values: also validate index values (page ids, lengths, offsets);
- * the index tensors' data must then be readable from the host (for
- * copy_pages: host-readable and contiguous). */
+/* check_values: also validate index values (page ids, lengths, offsets) and per-tensor scales'
+ * values (finite, > 0); the index tensors' and per-tensor scales' data must then be readable from
+ * the host (for copy_pages: host-readable and contiguous). */
 pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error *err);
 pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err);
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err);

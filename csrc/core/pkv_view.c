@@ -36,3 +36,14 @@ pkv_index_view pkv_index_view_from(const pkv_tensor *t) {
   v.stride_col = t->ndim > 1 ? t->strides[1] : 1;
   return v;
 }
+
+void pkv_scales_broadcast(pkv_tensor *s, const pkv_tensor *cache, int64_t group, const float *groups) {
+  s->data = (void *)groups;
+  s->ndim = 4;
+  for (int d = 0; d < 3; d++) {
+    s->sizes[d] = cache->sizes[d];
+    s->strides[d] = 0;
+  }
+  s->sizes[3] = pkv_num_groups(cache->sizes[3], group);
+  s->strides[3] = 1;
+}

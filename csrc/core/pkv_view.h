@@ -142,10 +142,23 @@ PKV_HD void pkv_visible_keys(int64_t p, int64_t total, int causal, int64_t windo
   *hi = h;
 }
 
+/* A per-tensor FP8 scale (CONTRACT v1.2): one float32 element, shape [] or [1], for every token,
+ * head and channel of its cache. paged_store quantizes with it and writes no scale. */
+PKV_HD int pkv_scales_per_tensor(const pkv_tensor *s) {
+  return s->defined && (s->ndim == 0 || (s->ndim == 1 && s->sizes[0] == 1));
+}
+
 /* Builders from descriptors (descriptors already validated). */
 pkv_cache_view pkv_cache_view_from(const pkv_tensor *t);
 pkv_rows_view pkv_rows_view_from(const pkv_tensor *t);
 pkv_index_view pkv_index_view_from(const pkv_tensor *t);
+
+/* The readers' form of a per-tensor scale: rewrites `s` (validated, pkv_scales_per_tensor) into the
+ * per-token scales view f32 [N, P, Hk, ceil(D/G)] of `cache` with page, token and head strides 0 over
+ * `groups`, which holds ceil(D/G) copies of the scale (stride(-1) == 1, as every reader indexes a
+ * token's groups). Every reader then takes the same scale for each token, head and group with no
+ * path of its own. Reader kernels take only this form; paged_store takes the one-element form. */
+void pkv_scales_broadcast(pkv_tensor *s, const pkv_tensor *cache, int64_t group, const float *groups);
 
 #ifdef __cplusplus
 }

@@ -7,15 +7,23 @@
 #include "../core/pkv_numeric.h"
 
 /* Convert (or quantize) the Hk head vectors of one token row into the cache.
- * Same dtype and both sides dense across heads: one copy for all heads. */
+ * Same dtype and both sides dense across heads: one copy for all heads. FP8 with a per-tensor scale
+ * (`fixed_scale`, a pointer to it; NULL otherwise): quantized with it, no scale written. */
 static void store_token(const pkv_cpu_kernels *k, const pkv_rows_view *src, int64_t row, const pkv_cache_view *cache,
-                        const pkv_cache_view *scales, int64_t page, int64_t slot, int64_t group) {
+                        const pkv_cache_view *scales, const float *fixed_scale, int64_t page, int64_t slot,
+                        int64_t group) {
   int64_t d = cache->head_dim, heads = cache->num_heads;
   size_t ses = pkv_dtype_size(src->dtype), des = pkv_dtype_size(cache->dtype);
   const char *s = (const char *)src->data + row * src->stride_row * (int64_t)ses;
   char *dst = (char *)cache->data + pkv_cache_offset(cache, page, slot, 0) * (int64_t)des;
   if (src->dtype == cache->dtype && src->stride_head == d && cache->stride_head == d) {
     memcpy(dst, s, (size_t)(heads * d) * ses);
+    return;
+  }
+  if (fixed_scale) {
+    for (int64_t h = 0; h < heads; h++)
+      k->store_vec_scaled(s + h * src->stride_head * (int64_t)ses, src->dtype, d,
+                          (uint8_t *)dst + h * cache->stride_head, cache->dtype, *fixed_scale);
     return;
   }
   for (int64_t h = 0; h < heads; h++) {
@@ -38,11 +46,13 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
   pkv_cache_view kc = pkv_cache_view_from(&a->k_cache);
   pkv_cache_view ks = {0}, vc = {0}, vs = {0};
   pkv_rows_view value = {0};
-  if (a->k_scales.defined) ks = pkv_cache_view_from(&a->k_scales);
+  const float *k_fixed = pkv_scales_per_tensor(&a->k_scales) ? (const float *)a->k_scales.data : NULL;
+  const float *v_fixed = pkv_scales_per_tensor(&a->v_scales) ? (const float *)a->v_scales.data : NULL;
+  if (a->k_scales.defined && !k_fixed) ks = pkv_cache_view_from(&a->k_scales);
   if (a->v_cache.defined) {
     vc = pkv_cache_view_from(&a->v_cache);
     value = pkv_rows_view_from(&a->value);
-    if (a->v_scales.defined) vs = pkv_cache_view_from(&a->v_scales);
+    if (a->v_scales.defined && !v_fixed) vs = pkv_cache_view_from(&a->v_scales);
   }
   int64_t batch = lengths.rows, page_size = kc.page_size;
   const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
@@ -62,8 +72,8 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end) {
       int64_t slot = pkv_slot_of(pos, page_size);
       /* an id changed since the check (pkv_page_for_read): the row is not written anywhere */
       if (!pkv_page_in_pool(page, kc.num_pages) || (vc.data && !pkv_page_in_pool(page, vc.num_pages))) continue;
-      store_token(k, &key, row, &kc, &ks, page, slot, a->quant_group);
-      if (vc.data) store_token(k, &value, row, &vc, &vs, page, slot, a->quant_group);
+      store_token(k, &key, row, &kc, &ks, k_fixed, page, slot, a->quant_group);
+      if (vc.data) store_token(k, &value, row, &vc, &vs, v_fixed, page, slot, a->quant_group);
     }
   }
 }

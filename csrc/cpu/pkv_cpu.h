@@ -102,6 +102,10 @@ typedef struct {
    * pkv_fp8_quantize). */
   void (*store_vec)(const void *src, pkv_dtype src_dtype, int64_t n, void *dst, pkv_dtype dst_dtype, float *scales,
                     int64_t group);
+  /* Quantize n elements src (f32/f16/bf16) into FP8 dst with one given scale (a per-tensor scale):
+   * fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)), bit-exact with pkv_fp8_quantize; no scale is written. */
+  void (*store_vec_scaled)(const void *src, pkv_dtype src_dtype, int64_t n, uint8_t *dst, pkv_dtype dst_dtype,
+                           float scale);
   /* Convert n elements of a cache dtype into dst (f32/f16/bf16); FP8 values are
    * multiplied by scales[i / group] (bit-exact with the scalar rule). */
   void (*load_vec)(const void *src, pkv_dtype src_dtype, const float *scales, int64_t group, int64_t n, void *dst,

@@ -2,7 +2,8 @@
 // one warp per (K or V, token row) writes all its head vectors into their page
 // slot, converting to the cache dtype; FP8 caches take a warp per (K or V,
 // token row, KV head), quantizing with the (token, head, group) amax scale
-// fused in (warp reductions, scale, cast, scale write). Conversions are the core's bit-exact functions, so CUDA and
+// fused in (warp reductions, scale, cast, scale write), or with a per-tensor scale (cast only).
+// Conversions are the core's bit-exact functions, so CUDA and
 // CPU caches hold identical bytes.
 //
 // Bounds: every index value is checked on the device (host checks are
@@ -21,6 +22,7 @@ struct StoreJob {
   pkv_rows_view src;      // [T, Hk, D] key or value
   pkv_cache_view cache;   // [N, P, Hk, D]
   pkv_cache_view scales;  // f32 [N, P, Hk, ceil(D/G)], FP8 caches only
+  const float *fixed_scale;  // FP8 with a per-tensor scale: that one float (read, never written); else null
 };
 
 struct StoreParams {
@@ -79,6 +81,27 @@ __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t ro
     return;
   } else {
     uint8_t *q = static_cast<uint8_t *>(job.cache.data) + dst;
+    if (job.fixed_scale) {  // per-tensor scale: x / s for every element, nothing else written
+      const float scale = __ldg(job.fixed_scale);
+      if constexpr (kVec) {
+        for (int64_t c = lane; c < d / 16; c += 32) {
+          float v[8], w[8];
+          load8<kSrc>(job.src.data, src + c * 16, v);
+          load8<kSrc>(job.src.data, src + c * 16 + 8, w);
+          uint8_t out[16];
+#pragma unroll
+          for (int k = 0; k < 8; k++) {
+            out[k] = pkv_fp8_quantize(v[k], scale, kDst);
+            out[k + 8] = pkv_fp8_quantize(w[k], scale, kDst);
+          }
+          *reinterpret_cast<uint4 *>(q + c * 16) = *reinterpret_cast<const uint4 *>(out);
+        }
+      } else {
+        for (int64_t i = lane; i < d; i += 32)
+          q[i] = pkv_fp8_quantize(pkv_load_f32(job.src.data, src + i, kSrc), scale, kDst);
+      }
+      return;
+    }
     float *scales = static_cast<float *>(job.scales.data) + pkv_cache_offset(&job.scales, page, slot, head);
     const int64_t g = p.group;
     if constexpr (kVec) {
@@ -179,7 +202,7 @@ bool job_vectorizable(const StoreJob &j, int64_t group) {
   if (!pkv_rows_aligned(&j.src, ses, 16)) return false;
   if (!pkv_cache_aligned(&j.cache, des, 16)) return false;
   if (pkv_dtype_is_fp8(j.cache.dtype))
-    return d % 16 == 0 && d / 16 <= kStoreMaxChunks && (group >= d || group % 16 == 0);
+    return d % 16 == 0 && d / 16 <= kStoreMaxChunks && (j.fixed_scale || group >= d || group % 16 == 0);
   return d % 8 == 0;
 }
 
@@ -224,7 +247,8 @@ StoreJob make_job(const pkv_tensor &src, const pkv_tensor &cache, const pkv_tens
   StoreJob j{};
   j.src = pkv_rows_view_from(&src);
   j.cache = pkv_cache_view_from(&cache);
-  if (scales.defined) j.scales = pkv_cache_view_from(&scales);
+  if (pkv_scales_per_tensor(&scales)) j.fixed_scale = static_cast<const float *>(scales.data);
+  else if (scales.defined) j.scales = pkv_cache_view_from(&scales);
   return j;
 }
 

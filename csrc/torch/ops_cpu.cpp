@@ -37,6 +37,26 @@ class IndexSnapshot {
   std::vector<int32_t> values_;
 };
 
+// A per-tensor FP8 scale (pkv_scales_per_tensor), copied once like the index tensors: the checks
+// read the copy's value, then readers get it as a broadcast per-token view (pkv_scales_broadcast) over
+// one copy per group, and paged_store reads the copy.
+class ScaleSnapshot {
+ public:
+  // s: a checked scales descriptor of `cache`; a per-tensor one is pointed at the copy
+  void take(pkv_tensor &s, const pkv_tensor &cache, int64_t group) {
+    if (!pkv_scales_per_tensor(&s)) return;
+    values_.assign(static_cast<size_t>(pkv_num_groups(cache.sizes[3], group)), *static_cast<const float *>(s.data));
+    s.data = values_.data();
+  }
+  // after the value checks: the readers' form of a per-tensor scale
+  void broadcast(pkv_tensor &s, const pkv_tensor &cache, int64_t group) const {
+    if (pkv_scales_per_tensor(&s)) pkv_scales_broadcast(&s, &cache, group, values_.data());
+  }
+
+ private:
+  std::vector<float> values_;
+};
+
 // Work items per task: enough bytes per task to amortise scheduling.
 int64_t grain_for(int64_t bytes_per_item) {
   constexpr int64_t kBytesPerTask = 64 * 1024;
@@ -55,6 +75,9 @@ void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &val
   IndexSnapshot offsets, lengths;
   offsets.take(a.input_row_offsets);
   lengths.take(a.cache_lengths);
+  ScaleSnapshot k_scale, v_scale;
+  k_scale.take(a.k_scales, a.k_cache, quant_group);
+  v_scale.take(a.v_scales, a.v_cache, quant_group);
   raise_if_failed(pkv_store_check(&a, /*check_values=*/1, &err), err);
   int64_t work = pkv_store_cpu_work(&a);
   at::parallel_for(0, work, grain_for(key.size(1) * key.size(2) * 4),
@@ -70,7 +93,10 @@ void paged_load_cpu(const at::Tensor &cache, const std::optional<at::Tensor> &sc
   IndexSnapshot lengths, offsets;
   lengths.take(a.seq_lens);
   offsets.take(a.output_row_offsets);
+  ScaleSnapshot scale;
+  scale.take(a.scales, a.cache, quant_group);
   raise_if_failed(pkv_load_check(&a, /*check_values=*/1, &err), err);
+  scale.broadcast(a.scales, a.cache, quant_group);
   int64_t work = pkv_load_cpu_work(&a);
   at::parallel_for(0, work, grain_for(cache.size(1) * cache.size(2) * cache.size(3) * 4),
                    [&](int64_t begin, int64_t end) { pkv_load_cpu(&a, begin, end); });
@@ -82,7 +108,12 @@ void attn_cpu(pkv_attn_args a) {
   IndexSnapshot offsets, lengths;
   offsets.take(a.input_row_offsets);
   lengths.take(a.cache_lengths);
+  ScaleSnapshot k_scale, v_scale;
+  k_scale.take(a.k_scales, a.k_cache, a.quant_group);
+  v_scale.take(a.v_scales, a.v_cache, a.quant_group);
   raise_if_failed(pkv_attn_check(&a, /*check_values=*/1, &err), err);
+  k_scale.broadcast(a.k_scales, a.k_cache, a.quant_group);
+  v_scale.broadcast(a.v_scales, a.v_cache, a.quant_group);
   pkv_attn_plan plan{};
   raise_if_failed(pkv_attn_cpu_plan(&a, &plan, &err), err);
   // One task per thread, each claiming items until none is left (pkv_attn_cpu_claim): a fixed split
@@ -153,7 +184,13 @@ at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_
   pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap, sinks,
                                   out);
   pkv_error err{};
+  raise_if_failed(pkv_sparse_check(&a, /*check_values=*/0, &err), err);
+  ScaleSnapshot k_scale, v_scale;
+  k_scale.take(a.k_scales, a.k_cache, quant_group);
+  v_scale.take(a.v_scales, a.v_cache, quant_group);
   raise_if_failed(pkv_sparse_check(&a, /*check_values=*/1, &err), err);
+  k_scale.broadcast(a.k_scales, a.k_cache, quant_group);
+  v_scale.broadcast(a.v_scales, a.v_cache, quant_group);
   std::atomic<int> failed{0};
   pkv_error item_err{};
   // an item gathers up to K rows of K and V: a few of them per task

@@ -60,7 +60,7 @@ c10::Device cuda_device(std::initializer_list<const at::Tensor *> tensors) {
 
 // The core's check of an op's arguments: descriptors always; index values (which live on the
 // device) only when host checks are enabled, on host copies of `index_tensors` (pairs of the
-// args field and the tensor it describes).
+// args field and the tensor it describes; a null tensor is skipped).
 template <typename Args>
 using CheckFn = pkv_status (*)(const Args *, int, pkv_error *);
 template <typename Args>
@@ -73,8 +73,30 @@ void check_args(const Args &a, CheckFn<Args> check, IndexTensors<Args> index_ten
   if (!checks_enabled()) return;
   std::vector<at::Tensor> keep;
   Args h = a;
-  for (const auto &[field, tensor] : index_tensors) h.*field = host_index(*tensor, keep);
+  for (const auto &[field, tensor] : index_tensors)
+    if (tensor) h.*field = host_index(*tensor, keep);
   raise_if_failed(check(&h, /*check_values=*/1, &err), err);
+}
+
+// A per-tensor FP8 scale (one element), whose value the checks read on the host; null otherwise
+// (per-token scales are never copied).
+const at::Tensor *per_tensor_scale(const std::optional<at::Tensor> &scales) {
+  return scales.has_value() && scales->defined() && scales->numel() == 1 && scales->dim() <= 1 ? &*scales : nullptr;
+}
+
+// The readers' form of a per-tensor scale (pkv_scales_broadcast) over ceil(D/G) copies of it on the
+// device: the scale tensor itself for one group, else a stream-ordered copy (no host sync, capturable).
+// `keep` owns the copy until the launch is queued.
+void broadcast_scale(pkv_tensor &s, const pkv_tensor &cache, int64_t group, const std::optional<at::Tensor> &scales,
+                     at::Tensor &keep) {
+  if (!pkv_scales_per_tensor(&s)) return;
+  const int64_t groups = pkv_num_groups(cache.sizes[3], group);
+  if (groups == 1) {
+    pkv_scales_broadcast(&s, &cache, group, static_cast<const float *>(s.data));
+    return;
+  }
+  keep = scales->reshape({1}).expand({groups}).contiguous();
+  pkv_scales_broadcast(&s, &cache, group, keep.data_ptr<float>());
 }
 
 void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
@@ -88,7 +110,9 @@ void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &va
   check_args<pkv_store_args>(a, pkv_store_check,
                              {{&pkv_store_args::input_row_offsets, &input_row_offsets},
                               {&pkv_store_args::cache_lengths, &cache_lengths},
-                              {&pkv_store_args::lookup_table, &lookup_table}});
+                              {&pkv_store_args::lookup_table, &lookup_table},
+                              {&pkv_store_args::k_scales, per_tensor_scale(k_scales)},
+                              {&pkv_store_args::v_scales, per_tensor_scale(v_scales)}});
   pkv_error err{};
   raise_if_failed(pkv_cuda_store_supported(&a, &err), err);
   raise_cuda(pkv_cuda_store(&a, c10::cuda::getCurrentCUDAStream()));
@@ -102,18 +126,27 @@ void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &s
   check_args<pkv_load_args>(a, pkv_load_check,
                             {{&pkv_load_args::lookup_table, &lookup_table},
                              {&pkv_load_args::seq_lens, &seq_lens},
-                             {&pkv_load_args::output_row_offsets, &output_row_offsets}});
+                             {&pkv_load_args::output_row_offsets, &output_row_offsets},
+                             {&pkv_load_args::scales, per_tensor_scale(scales)}});
+  at::Tensor scale_groups;
+  broadcast_scale(a.scales, a.cache, quant_group, scales, scale_groups);
   pkv_error err{};
   raise_if_failed(pkv_cuda_load_supported(&a, &err), err);
   raise_cuda(pkv_cuda_load(&a, c10::cuda::getCurrentCUDAStream()));
 }
 
 void attn_cuda(pkv_attn_args a, const at::Tensor &q, const at::Tensor &out, const at::Tensor &k_cache,
-               const at::Tensor &input_row_offsets, const at::Tensor &cache_lengths, const at::Tensor &lookup_table) {
+               const at::Tensor &input_row_offsets, const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
+               const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales) {
   check_args<pkv_attn_args>(a, pkv_attn_check,
                             {{&pkv_attn_args::input_row_offsets, &input_row_offsets},
                              {&pkv_attn_args::cache_lengths, &cache_lengths},
-                             {&pkv_attn_args::lookup_table, &lookup_table}});
+                             {&pkv_attn_args::lookup_table, &lookup_table},
+                             {&pkv_attn_args::k_scales, per_tensor_scale(k_scales)},
+                             {&pkv_attn_args::v_scales, per_tensor_scale(v_scales)}});
+  at::Tensor k_scale_groups, v_scale_groups;
+  broadcast_scale(a.k_scales, a.k_cache, a.quant_group, k_scales, k_scale_groups);
+  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales, v_scale_groups);
   // The kernels attend with 16-bit queries. Float32 ones (checked above as the caller gave them) run
   // through a 16-bit copy in the cache's dtype (bf16 for FP8 caches), and the output comes back in
   // float32: CUDA's accuracy is then that of 16-bit queries. Float32 caches stay unsupported.
@@ -152,7 +185,7 @@ at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_ro
   at::Tensor out = attn_output(q, v_cache);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
-            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
   return out;
 }
 
@@ -166,7 +199,7 @@ void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_
       cuda_device({&q, &out, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out),
-            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
@@ -178,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
   at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
                       v_scales, quant_group, window_left, softcap, sinks, out, lse),
-            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table);
+            q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
   return {out, lse};
 }
 
@@ -202,7 +235,13 @@ at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k
   at::Tensor out = attn_output(q, v_cache);
   pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
                                   sinks, out);
-  check_args<pkv_sparse_args>(a, pkv_sparse_check, {{&pkv_sparse_args::indices, &indices}});
+  check_args<pkv_sparse_args>(a, pkv_sparse_check,
+                              {{&pkv_sparse_args::indices, &indices},
+                               {&pkv_sparse_args::k_scales, per_tensor_scale(k_scales)},
+                               {&pkv_sparse_args::v_scales, per_tensor_scale(v_scales)}});
+  at::Tensor k_scale_groups, v_scale_groups;
+  broadcast_scale(a.k_scales, a.k_cache, quant_group, k_scales, k_scale_groups);
+  broadcast_scale(a.v_scales, a.v_cache, quant_group, v_scales, v_scale_groups);
   pkv_error err{};
   raise_if_failed(pkv_cuda_sparse_supported(&a, &err), err);
   // the forced loader (set_cuda_loader) applies here too: cp.async or tma-gather4 for the tiled kernel

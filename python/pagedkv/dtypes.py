@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_DTYPES", "FLOAT_DTYPES", "fp8_max", "is_fp8", "num_scale_groups"]
+__all__ = ["FP8_DTYPES", "FLOAT_DTYPES", "fp8_max", "is_fp8", "is_per_tensor_scale", "num_scale_groups"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,3 +30,9 @@ def num_scale_groups(head_dim: int, quant_group: int) -> int:
     if quant_group < 1:
         raise ValueError(f"quant_group must be >= 1, got {quant_group}")
     return -(-head_dim // quant_group)
+
+
+def is_per_tensor_scale(scales) -> bool:
+    """Whether FP8 `scales` is one per-tensor scale (CONTRACT v1.2: one element, shape [] or [1]),
+    not per-token scales [N, P, Hk, ceil(D/G)]."""
+    return isinstance(scales, torch.Tensor) and scales.dim() <= 1 and scales.numel() == 1

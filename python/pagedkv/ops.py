@@ -46,6 +46,8 @@ def paged_store(
     input_row_offsets int32 [B+1], cache_lengths int32 [B], lookup_table int32 [B, max_pages].
     Row offsets[b] + i goes to position cache_lengths[b] + i of sequence b. FP8 caches need
     float32 scales [N, P, Hk, ceil(D/G)]; each (token, head, group) gets scale amax / FP8_MAX.
+    Or a per-tensor scale (one float32 element, shape [] or [1], finite and > 0): only read, the
+    codes are fp8(clamp(x / s)). K and V choose independently.
     Bad input raises RuntimeError naming the argument, with nothing written.
     """
     _ops.paged_store(
@@ -64,9 +66,9 @@ def paged_load(
     """Gather tokens [0, seq_lens[b]) of every row into a new [sum(seq_lens), Hk, D] tensor.
 
     cache [N, P, Hk, D]; lookup_table int32 [B, max_pages]; seq_lens int32 [B]. FP8 caches are
-    dequantized with scales [N, P, Hk, ceil(D/G)]. out_dtype defaults to the cache dtype, or
-    float32 for FP8 caches. Reads the total length on the host (a sync on CUDA); use
-    torch.ops.pagedkv.paged_load with a preallocated out inside CUDA graphs.
+    dequantized with scales [N, P, Hk, ceil(D/G)] or one per-tensor scale ([] or [1]). out_dtype
+    defaults to the cache dtype, or float32 for FP8 caches. Reads the total length on the host (a
+    sync on CUDA); use torch.ops.pagedkv.paged_load with a preallocated out inside CUDA graphs.
     """
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
@@ -123,7 +125,8 @@ def flash_attn_paged(
     aligned, window_left >= 0 also hides keys before p - window_left, softcap > 0 applies
     softcap * tanh(s / softcap). sinks float32 [Hq] (attention sinks, e.g. gpt-oss): exp(sinks[h])
     joins head h's softmax denominator and adds no value. Queries that see no key and padding rows
-    give zeros. With out= the result is written into a preallocated tensor.
+    give zeros. With out= the result is written into a preallocated tensor. FP8 k_scales / v_scales:
+    per token [N, P, Hk, ceil(D/G)] or one per-tensor scale ([] or [1]), each tensor its own choice.
     """
     args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
             k_scales, v_scales, quant_group, window_left, softcap, sinks)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, fp8_max, is_fp8, num_scale_groups
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, fp8_max, is_fp8, is_per_tensor_scale, num_scale_groups
 
 __all__ = [
     "FP8_DTYPES",
@@ -39,17 +39,24 @@ def _group_bounds(head_dim: int, quant_group: int):
         yield g, g * quant_group, min((g + 1) * quant_group, head_dim)
 
 
-def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, group: int = 128):
-    """Quantize `x [..., D]` per group of `group` channels.
+def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, group: int = 128, *, scale: torch.Tensor | None = None):
+    """Quantize `x [..., D]` per group of `group` channels, or with one given per-tensor `scale`.
 
     Returns `(q [..., D] fp8_dtype, scales [..., ceil(D/G)] float32)` with, per group,
     `scale = amax / FP8_MAX` in float32 (1 when amax == 0) and
     `q = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX))`, the division done in float32 and the
-    conversion rounding to nearest even.
+    conversion rounding to nearest even. With `scale` (a one-element float32 tensor, as
+    `paged_store` takes a per-tensor scale): `q` from that scale for every element, and the
+    scale itself (unchanged) in place of `scales`.
     """
     fmax = fp8_max(fp8_dtype)
     head_dim = x.shape[-1]
     x32 = x.to(torch.float32)
+    if scale is not None:
+        if not is_per_tensor_scale(scale):
+            raise ValueError(f"scale must hold one element (shape [] or [1]), got shape {list(scale.shape)}")
+        s = scale.to(device=x.device, dtype=torch.float32).reshape(())
+        return (x32 / s).clamp(-fmax, fmax).to(fp8_dtype), scale
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(
         (*x.shape[:-1], num_scale_groups(head_dim, group)), dtype=torch.float32, device=x.device
@@ -68,13 +75,16 @@ def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, group: int = 128):
 def dequantize_fp8(
     q: torch.Tensor, scales: torch.Tensor, group: int = 128, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Inverse of `quantize_fp8`: `float(q) * s` for `q [..., D]`, `scales [..., ceil(D/G)]`.
+    """Inverse of `quantize_fp8`: `float(q) * s` for `q [..., D]`, `scales [..., ceil(D/G)]` or one
+    per-tensor scale (shape [] or [1]).
 
     The product is formed in float32 (float64 when `out_dtype` is float64, where it is exact) and
     then converted to `out_dtype`.
     """
     compute = torch.float64 if out_dtype == torch.float64 else torch.float32
     head_dim = q.shape[-1]
+    if is_per_tensor_scale(scales):
+        return (q.to(compute) * scales.to(device=q.device, dtype=compute).reshape(())).to(out_dtype)
     if scales.shape[-1] != num_scale_groups(head_dim, group):
         raise ValueError(
             f"scales must have ceil(D/G) = {num_scale_groups(head_dim, group)} groups, "
@@ -83,6 +93,12 @@ def dequantize_fp8(
     index = torch.arange(head_dim, device=q.device) // group
     expanded = scales.to(compute).index_select(-1, index)
     return (q.to(compute) * expanded).to(out_dtype)
+
+
+def _scales_at(scales: torch.Tensor, *index) -> torch.Tensor:
+    """The scales of the cache entries `index` selects: per-token scales indexed like the cache,
+    or the per-tensor scale itself."""
+    return scales if is_per_tensor_scale(scales) else scales[index]
 
 
 def _to_list(t: torch.Tensor) -> list[int]:
@@ -120,7 +136,7 @@ def gather_rows(
         pages, slots = _positions_to_slots(lookup_table[b], positions, page_size)
         values = cache[pages, slots]
         if is_fp8(cache.dtype):
-            values = dequantize_fp8(values, scales[pages, slots], quant_group, out_dtype)
+            values = dequantize_fp8(values, _scales_at(scales, pages, slots), quant_group, out_dtype)
         else:
             values = values.to(out_dtype)
         rows.append(values)
@@ -177,7 +193,9 @@ def _store_one(src, cache, scales, lookup_row, start_pos, quant_group):
         return
     positions = torch.arange(start_pos, start_pos + n, device=cache.device)
     pages, slots = _positions_to_slots(lookup_row, positions, cache.shape[1])
-    if is_fp8(cache.dtype):
+    if is_fp8(cache.dtype) and is_per_tensor_scale(scales):
+        cache[pages, slots] = quantize_fp8(src, cache.dtype, quant_group, scale=scales)[0]
+    elif is_fp8(cache.dtype):
         q, s = quantize_fp8(src, cache.dtype, quant_group)
         cache[pages, slots] = q
         scales[pages, slots] = s
@@ -201,10 +219,12 @@ def paged_store(
 
     key [T, Hk, D], value [T, Hk, Dv] or None (K-only caches), k_cache [N, P, Hk, D],
     v_cache [N, P, Hk, Dv] or None, input_row_offsets int32 [B+1], cache_lengths int32 [B],
-    lookup_table int32 [B, max_pages], k_scales/v_scales float32 [N, P, Hk, ceil(D/G)] (FP8 only).
+    lookup_table int32 [B, max_pages], k_scales/v_scales float32 [N, P, Hk, ceil(D/G)] or one
+    per-tensor scale (shape [] or [1]) (FP8 only).
 
     Row `offsets[b] + i` goes to position `cache_lengths[b] + i` of sequence b. FP8 caches get the
-    per-(token, head, group) quantization of `quantize_fp8` and its scales.
+    per-(token, head, group) quantization of `quantize_fp8` and its scales, or with a per-tensor
+    scale `s` the codes `fp8(clamp(x / s))` and no scale written.
     """
     if (value is None) != (v_cache is None):
         raise ValueError("value must be None if and only if v_cache is None")
@@ -440,9 +460,11 @@ def flash_attn_paged_sparse(
             keys = k_cache[pages, slots, kv].to(compute_dtype)
             values = v_cache[pages, slots, kv].to(compute_dtype)
             if is_fp8(k_cache.dtype):
-                keys = dequantize_fp8(k_cache[pages, slots, kv], k_scales[pages, slots, kv], quant_group, compute_dtype)
+                keys = dequantize_fp8(k_cache[pages, slots, kv], _scales_at(k_scales, pages, slots, kv), quant_group,
+                                      compute_dtype)
             if is_fp8(v_cache.dtype):
-                values = dequantize_fp8(v_cache[pages, slots, kv], v_scales[pages, slots, kv], quant_group, compute_dtype)
+                values = dequantize_fp8(v_cache[pages, slots, kv], _scales_at(v_scales, pages, slots, kv),
+                                        quant_group, compute_dtype)
             scores = _softcapped(scale * (keys @ q[t, h].to(compute_dtype)), softcap)
             sink = None if sinks is None else sinks[h].to(compute_dtype)
             probs, _ = _softmax_with_sink(scores, sink)

@@ -454,11 +454,90 @@ static void test_aliasing(void) {
   EXPECT_FAIL(pkv_load_check(&e, 0, &err_), PKV_ERR_ARGUMENT, "paged_load", "lookup_table overlaps out");
 }
 
+/* ---- per-tensor FP8 scales (CONTRACT v1.2): one float32 element, shape [] or [1] ---- */
+static void test_per_tensor_scales(void) {
+  static float one[1], two[2];
+  static double one_f64[1];
+  static uint8_t vq[SN * SP * SH * SD];
+  one[0] = 0.5f;
+  pkv_store_args a = store_valid();
+  a.k_cache.data = s_kq, a.k_cache.dtype = PKV_DTYPE_FP8_E4M3;
+  a.k_scales = T1(one, PKV_DTYPE_F32, 1);
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+  a.k_scales.ndim = 0; /* shape [] */
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+  /* mixed: per-tensor K, per-token V */
+  a.v_cache = T4(vq, PKV_DTYPE_FP8_E5M2, SN, SP, SH, SD);
+  a.v_scales = T4(s_ks, PKV_DTYPE_F32, SN, SP, SH, 1);
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+  pkv_store_args shared = a; /* K and V may share one per-tensor scale: it is only read */
+  shared.v_cache = T4(vq, PKV_DTYPE_FP8_E5M2, SN, SP, SH, SD), shared.v_scales = shared.k_scales;
+  EXPECT_PASS(pkv_store_check(&shared, 1, &err_));
+
+#define SCALE_FAIL(mutation, values, arg)                                             \
+  do {                                                                                \
+    pkv_store_args b = a;                                                             \
+    mutation;                                                                         \
+    EXPECT_FAIL(pkv_store_check(&b, values, &err_), PKV_ERR_ARGUMENT, "paged_store", arg); \
+  } while (0)
+  SCALE_FAIL(b.k_scales = T1(two, PKV_DTYPE_F32, 2), 0, "k_scales");
+  SCALE_FAIL(b.k_scales = T2(one, PKV_DTYPE_F32, 1, 1), 0, "k_scales");
+  SCALE_FAIL(b.k_scales = T1(one_f64, PKV_DTYPE_F64, 1), 0, "k_scales");
+  SCALE_FAIL(b.k_scales.device = 0, 0, "k_scales");
+  SCALE_FAIL(b.v_scales = T1(two, PKV_DTYPE_F32, 2), 0, "v_scales");
+  const float bad[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, -2.0f};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    one[0] = bad[i];
+    EXPECT_PASS(pkv_store_check(&a, 0, &err_)); /* the value is checked with the index values */
+    SCALE_FAIL((void)0, 1, "k_scales");
+    pkv_load_args l = load_valid();
+    l.cache.data = s_kq, l.cache.dtype = PKV_DTYPE_FP8_E4M3, l.scales = T1(one, PKV_DTYPE_F32, 1);
+    EXPECT_FAIL(pkv_load_check(&l, 1, &err_), PKV_ERR_ARGUMENT, "paged_load", "scales");
+  }
+  one[0] = FLT_MIN; /* the smallest normal scale is valid */
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+#undef SCALE_FAIL
+
+  /* the store writes K codes x / s and no scale; V per token as before */
+  one[0] = 0.25f;
+  float ks_before[SN * SP * SH];
+  memcpy(ks_before, s_ks, sizeof ks_before);
+  a.v_scales = none(), a.v_cache = T4(s_vc, PKV_DTYPE_F32, SN, SP, SH, SD);
+  for (int i = 0; i < ST * SH * SD; i++) s_key[i] = (float)(i % 23) * 9.5f - 100.0f;
+  EXPECT_PASS(pkv_store_check(&a, 1, &err_));
+  pkv_store_cpu(&a, 0, pkv_store_cpu_work(&a));
+  CHECK(one[0] == 0.25f, "the per-tensor scale changed: %g", (double)one[0]);
+  CHECK(memcmp(ks_before, s_ks, sizeof ks_before) == 0, "per-token scales written by a per-tensor store");
+  /* row 1's first new token (key row 3) sits at position 5: page table[1 * SMAXP + 1] = 5, slot 1 */
+  for (int h = 0; h < SH; h++)
+    for (int c = 0; c < SD; c++) {
+      float x = s_key[(3 * SH + h) * SD + c];
+      uint8_t got = s_kq[((5 * SP + 1) * SH + h) * SD + c];
+      CHECK(got == pkv_fp8_quantize(x, 0.25f, PKV_DTYPE_FP8_E4M3), "code of %g: 0x%02x", (double)x, got);
+    }
+
+  /* the readers' form: [N, P, Hk, ceil(D/G)] with strides 0, 0, 0, 1 over the group copies */
+  float groups[3] = {0.25f, 0.25f, 0.25f};
+  pkv_tensor k = a.k_cache, s = a.k_scales;
+  pkv_scales_broadcast(&s, &k, 3, groups);
+  CHECK(s.ndim == 4 && s.sizes[0] == SN && s.sizes[1] == SP && s.sizes[2] == SH && s.sizes[3] == 3,
+        "broadcast sizes %lld %lld %lld %lld", (long long)s.sizes[0], (long long)s.sizes[1], (long long)s.sizes[2],
+        (long long)s.sizes[3]);
+  CHECK(s.strides[0] == 0 && s.strides[1] == 0 && s.strides[2] == 0 && s.strides[3] == 1 && s.data == groups,
+        "broadcast strides");
+  pkv_attn_args t = attn_valid();
+  int32_t table[SB * SMAXP] = {4, 1, 2, 0, 5, 3};
+  t.lookup_table.data = table;
+  t.k_cache = k, t.k_scales = s, t.quant_group = 3;
+  EXPECT_PASS(pkv_attn_check(&t, 1, &err_)); /* a broadcast view of per-token scales is valid to read */
+}
+
 int main(void) {
   test_store_check();
   test_load_check();
   test_attn_check();
   test_overflow_edges();
   test_aliasing();
+  test_per_tensor_scales();
   return check_report("op checkers");
 }
