@@ -11,7 +11,9 @@ Each cache class is a thin holder of torch tensors. It hands per-layer strided v
 | `ContinuousBatchingKVCache` | blocks `[slots, 2|1, L, max_len, Hk, D]`  | `blocks[:, 0, layer]` (P = max_len) |
 
 FP8 caches (float8_e4m3fn, float8_e5m2) carry float32 scales with the same leading shape and
-`ceil(D / quant_group)` as the last dimension.
+`ceil(D / quant_group)` as the last dimension, or with `per_tensor_scales=True` one float32 scale per
+layer and K/V (`tensor_scales [L, 2|1]`, ones until set, e.g. to calibrated `k_scale` / `v_scale`
+values): the ops' per-tensor form (CONTRACT v1.2), which paged_store only reads.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import host_alloc
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, is_fp8, num_scale_groups
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, is_fp8, is_per_tensor_scale, num_scale_groups
 
 __all__ = [
     "CACHE_DTYPES",
@@ -191,7 +193,9 @@ class _PagedCacheBase:
     k_only: bool
     dtype: torch.dtype
 
-    def _init_geometry(self, num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group):
+    tensor_scales: torch.Tensor | None = None  # float32 [L, 2|1]: per-tensor scales of (layer, K/V)
+
+    def _init_geometry(self, num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales=False):
         self.num_layers = _check_positive_int("num_layers", num_layers)
         self.num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = _check_positive_int("head_dim", head_dim)
@@ -202,6 +206,19 @@ class _PagedCacheBase:
         self.quant_group = _check_positive_int("quant_group", quant_group)
         self.num_kv = 1 if k_only else 2
         self.num_groups = num_scale_groups(head_dim, quant_group)
+        if not isinstance(per_tensor_scales, bool):
+            raise TypeError(f"per_tensor_scales must be a bool, got {type(per_tensor_scales).__name__}")
+        if per_tensor_scales and not is_fp8(self.dtype):
+            raise ValueError(f"per_tensor_scales needs an FP8 dtype, got {self.dtype}")
+        self.per_tensor_scales = per_tensor_scales
+
+    def _init_tensor_scales(self, device) -> None:
+        if self.per_tensor_scales:
+            self.tensor_scales = torch.ones((self.num_layers, self.num_kv), dtype=torch.float32, device=device)
+
+    def _tensor_scale(self, layer: int, kv: int) -> torch.Tensor | None:
+        """Layer `layer`'s per-tensor scale of K (kv 0) or V (1), a 0-D view; None without them."""
+        return None if self.tensor_scales is None else self.tensor_scales[self._check_layer(layer), kv]
 
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -257,7 +274,9 @@ class _PagedCacheBase:
             raise ValueError(f"v_head_dim must be in [1, {self.head_dim}], got {dv}")
         k_scales = self.k_scales(layer)
         v_scales = None
-        if k_scales is not None:
+        if is_per_tensor_scale(k_scales):
+            v_scales = k_scales
+        elif k_scales is not None:
             if dv != self.head_dim and dv % self.quant_group != 0:
                 raise ValueError(
                     f"v_head_dim ({dv}) must be a multiple of quant_group ({self.quant_group}) "
@@ -338,11 +357,13 @@ class _BlockCache(_PagedCacheBase):
     scales: torch.Tensor | None
 
     def _init_blocks(self, lead, device) -> None:
-        """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`."""
+        """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`, or the
+        per-tensor `tensor_scales`."""
         device = _check_device(device)
         self.blocks = host_alloc.zeros((*lead, self.head_dim), dtype=self.dtype, device=device)
         self.scales = None
-        if is_fp8(self.dtype):
+        self._init_tensor_scales(device)
+        if is_fp8(self.dtype) and not self.per_tensor_scales:
             self.scales = torch.ones((*lead, self.num_groups), dtype=torch.float32, device=device)
 
     @property
@@ -361,12 +382,12 @@ class _LayerMajorBlocks(_BlockCache):
         return None if self.k_only else self.blocks[:, 1, self._check_layer(layer)]
 
     def k_scales(self, layer):
-        return None if self.scales is None else self.scales[:, 0, self._check_layer(layer)]
+        return self._tensor_scale(layer, 0) if self.scales is None else self.scales[:, 0, self._check_layer(layer)]
 
     def v_scales(self, layer):
-        if self.scales is None or self.k_only:
+        if self.k_only:
             return None
-        return self.scales[:, 1, self._check_layer(layer)]
+        return self._tensor_scale(layer, 1) if self.scales is None else self.scales[:, 1, self._check_layer(layer)]
 
 
 class PagedKVCacheCollection(_LayerMajorBlocks):
@@ -387,10 +408,11 @@ class PagedKVCacheCollection(_LayerMajorBlocks):
         device="cpu",
         k_only=False,
         quant_group=128,
+        per_tensor_scales=False,
     ):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
         self._init_blocks((num_pages, self.num_kv, num_layers, page_size, num_kv_heads), device)
 
 
@@ -413,10 +435,11 @@ class PagedKVCacheFA3Fallback(_BlockCache):
         device="cpu",
         k_only=False,
         quant_group=128,
+        per_tensor_scales=False,
     ):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
         self._init_blocks((self.num_kv, num_pages, page_size, num_kv_heads), device)
 
     def _table(self, layer, lookup_table):
@@ -443,11 +466,13 @@ class PagedKVCacheFA3Fallback(_BlockCache):
 
     def k_scales(self, layer):
         self._check_layer(layer)
-        return None if self.scales is None else self.scales[0]
+        return self._tensor_scale(layer, 0) if self.scales is None else self.scales[0]
 
     def v_scales(self, layer):
         self._check_layer(layer)
-        return None if self.scales is None or self.k_only else self.scales[1]
+        if self.k_only:
+            return None
+        return self._tensor_scale(layer, 1) if self.scales is None else self.scales[1]
 
 
 class PagedKVCache(_PagedCacheBase):
@@ -469,10 +494,11 @@ class PagedKVCache(_PagedCacheBase):
         k_only=False,
         quant_group=128,
         num_layers=1,
+        per_tensor_scales=False,
     ):
         self.num_pages = _check_positive_int("num_pages", num_pages)
         self.page_size = _check_positive_int("page_size", page_size)
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
         device = _check_device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         scale_shape = (*shape[:-1], self.num_groups)
@@ -483,7 +509,8 @@ class PagedKVCache(_PagedCacheBase):
         self.k_pools = pools(host_alloc.zeros, shape, dtype, num_layers)
         self.v_pools = None if k_only else pools(host_alloc.zeros, shape, dtype, num_layers)
         self.k_scale_pools = self.v_scale_pools = None
-        if is_fp8(dtype):
+        self._init_tensor_scales(device)
+        if is_fp8(dtype) and not per_tensor_scales:
             self.k_scale_pools = pools(torch.ones, scale_shape, torch.float32, num_layers)
             if not k_only:
                 self.v_scale_pools = pools(torch.ones, scale_shape, torch.float32, num_layers)
@@ -500,11 +527,13 @@ class PagedKVCache(_PagedCacheBase):
 
     def k_scales(self, layer=0):
         pools = self.k_scale_pools
-        return None if pools is None else pools[self._check_layer(layer)]
+        return self._tensor_scale(layer, 0) if pools is None else pools[self._check_layer(layer)]
 
     def v_scales(self, layer=0):
         pools = self.v_scale_pools
-        return None if pools is None else pools[self._check_layer(layer)]
+        if self.v_pools is None:
+            return None
+        return self._tensor_scale(layer, 1) if pools is None else pools[self._check_layer(layer)]
 
 
 class ContinuousBatchingKVCache(_LayerMajorBlocks):
@@ -527,11 +556,12 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
         device="cpu",
         k_only=False,
         quant_group=128,
+        per_tensor_scales=False,
     ):
         self.num_slots = _check_positive_int("num_slots", num_slots)
         self.max_seq_len = _check_positive_int("max_seq_len", max_seq_len)
         self.num_pages, self.page_size = self.num_slots, self.max_seq_len
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group)
+        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
         self._init_blocks((num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads), device)
 
     def lookup_table(self, slots) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import index_value_checks
+from pagedkv.cache import ContinuousBatchingKVCache, PagedKVCache, PagedKVCacheCollection, PagedKVCacheFA3Fallback
 from op_helpers import (
     DEVICES,
     FP8_DTYPES,
@@ -287,6 +288,66 @@ def test_cascade_passes_per_tensor_scales(device):
     expected = ref.flash_attn_paged(q, offsets, k_cache, v_cache, lengths, table, k_scales=k_scales,
                                     v_scales=v_scales, quant_group=group)
     assert_attention_close(got, expected, torch.bfloat16, "cascade", q16_on_cuda=True)
+
+
+CACHE_CLASSES = {
+    "collection": lambda **kw: PagedKVCacheCollection(8, 2, 4, 2, 64, **kw),
+    "fa3": lambda **kw: PagedKVCacheFA3Fallback(8, 2, 4, 2, 64, **kw),
+    "separate": lambda **kw: PagedKVCache(8, 4, 2, 64, num_layers=2, **kw),
+    "continuous": lambda **kw: ContinuousBatchingKVCache(3, 2, 12, 2, 64, **kw),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(CACHE_CLASSES))
+def test_cache_objects_with_per_tensor_scales(device, layout):
+    """per_tensor_scales=True: one scale per layer and K/V (tensor_scales, settable), no per-token
+    scales; store, attention and load through the object equal the reference with those scales."""
+    gen = generator(seed_from("cache", layout))
+    cache = CACHE_CLASSES[layout](dtype=torch.float8_e4m3fn, device=device, per_tensor_scales=True)
+    assert cache.tensor_scales.shape == (2, 2) and getattr(cache, "scales", None) is None
+    cache.tensor_scales[1] = torch.tensor([0.013, 0.021])
+    table = cache.lookup_table([2, 0]) if layout == "continuous" else int32([[5, 1, 7], [0, 6, 2]], device)
+    offsets, lengths = offsets_of([5, 1], device), int32([0, 6], device)
+    key = (torch.randn((7, 2, 64), generator=gen) * 3).to(device)
+    value = (torch.randn((7, 2, 64), generator=gen) * 4).to(device)
+    k_scale, v_scale = cache.k_scales(1), cache.v_scales(1)
+    assert k_scale.dim() == 0 and k_scale.item() == pytest.approx(0.013)
+    k_expected, v_expected = cache.k_cache(1).clone(), cache.v_cache(1).clone()
+    ref.paged_store(key, value, k_expected, v_expected, offsets, lengths, table, k_scale, v_scale)
+    cache.store(1, key, value, offsets, lengths, table)
+    assert_bytes_equal(cache.k_cache(1), k_expected, f"{layout} k_cache")
+    assert_bytes_equal(cache.v_cache(1), v_expected, f"{layout} v_cache")
+    q = torch.randn((7, 4, 64), generator=gen).to(torch.bfloat16).to(device)
+    got = supported_or_skip(device, cache.attention, 1, q, offsets, lengths, table)
+    expected = ref.flash_attn_paged(q, offsets, cache.k_cache(1), cache.v_cache(1), lengths, table,
+                                    k_scales=k_scale, v_scales=v_scale)
+    assert_attention_close(got, expected, torch.bfloat16, f"{layout} attention", q16_on_cuda=True)
+    seq_lens = int32([5, 7], device)
+    loaded = cache.load(1, table, seq_lens, which="v")
+    want = torch.cat(ref.gather_rows(cache.v_cache(1), v_scale, table, seq_lens))
+    assert_bytes_equal(loaded, want, f"{layout} load")
+
+
+def test_cache_per_tensor_scales_need_fp8():
+    with pytest.raises(ValueError, match="per_tensor_scales needs an FP8 dtype"):
+        PagedKVCache(4, 4, 2, 64, dtype=torch.bfloat16, per_tensor_scales=True)
+
+
+def test_k_only_cache_with_per_tensor_scales():
+    """K-only (MLA): V is K's first channels, dequantized with K's per-tensor scale."""
+    gen = generator(seed_from("k_only_cache"))
+    cache = PagedKVCacheCollection(6, 1, 4, 1, 96, dtype=torch.float8_e4m3fn, k_only=True, per_tensor_scales=True)
+    cache.tensor_scales.fill_(0.02)
+    table, offsets, lengths = int32([[3, 1]], "cpu"), offsets_of([6], "cpu"), int32([0], "cpu")
+    cache.store(0, torch.randn((6, 1, 96), generator=gen) * 4, None, offsets, lengths, table)
+    q = torch.randn((6, 2, 96), generator=gen)
+    got = cache.attention(0, q, offsets, lengths, table, v_head_dim=64)
+    k = cache.k_cache(0)
+    expected = ref.flash_attn_paged(q, offsets, k, k[..., :64], lengths, table, k_scales=cache.k_scales(0),
+                                    v_scales=cache.k_scales(0))
+    assert cache.v_scales(0) is None
+    assert_attention_close(got, expected, torch.float32, "k-only attention")
 
 
 # ---------------------------------------------------------------- errors
