@@ -6,7 +6,8 @@ unchanged); paged_load, flash_attn_paged (functional, .out, _lse) and flash_attn
 dequantize `float(q) * s`; each of K and V picks per-tensor or per-token scales on its own. A scale
 that is not finite and > 0, or a scales tensor of another shape, dtype or device, is an error naming
 the argument with nothing written. Caches are filled by the reference's store in the attention tests,
-so those compare only the readers with the float64 reference.
+so those compare only the readers with the float64 reference. The error cases run once (the checks
+are shared code), the cheap kernel cases also on every CPU kernel path (`per_isa`).
 """
 
 from __future__ import annotations
@@ -397,7 +398,6 @@ def run_op(op, device, k_scales, v_scales):
 OPS = ["paged_store", "paged_load", "flash_attn_paged", "flash_attn_paged_sparse"]
 
 
-@pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("bad", list(BAD_SCALES))
