@@ -62,32 +62,16 @@ SKIP = {
 # transformers 5.x only (4.57 builds and runs it).
 SKIP_5 = {"recurrent_gemma": "recurrent layers only in two layers"}
 # Known wrong with pagedkv: strict expected failures (reason, the exception they fail with), so a
-# fix shows as a failure here.
-MASK_4D = "model code reads the attention mask as the 4-D eager mask: fails inside the model on pagedkv's 2-D mask"
-XFAIL = {
-    # Their model code indexes the attention mask as the 4-D [B, 1, q, kv] eager mask (sparse
-    # attention indexers, DeepSeek-V4's compressed keys, Dory): pagedkv's 2-D padding mask makes
-    # the model fail inside its own code (IndexError / shape errors), not with a pagedkv error yet.
-    "axk2": (MASK_4D, IndexError), "deepseek_v32": (MASK_4D, IndexError), "glm_moe_dsa": (MASK_4D, IndexError),
-    "hy_v4": (MASK_4D, IndexError), "deepseek_v4": (MASK_4D, RuntimeError), "dory": (MASK_4D, RuntimeError),
-    "doge": (MASK_4D + " (its dynamic mask)", IndexError),
-}
-# transformers 5.x only (4.57's phimoe passes the window to attention; 4.57's phi4_multimodal is in SKIP_4).
-XFAIL_5 = {
-    # Its layers pass no sliding_window keyword to attention (only the mask function knows it),
-    # so pagedkv, which takes the window from that keyword, attends over the whole prefix.
-    "phimoe": ("sliding window only in the mask function: pagedkv attends over the whole prefix", AssertionError),
-    # Its audio sub-model sets _supports_attention_backend = False, so the whole model is refused
-    # (naming the sub-model class), while this test expects the top class to run.
-    "phi4_multimodal": ("refused through its audio sub-model (_supports_attention_backend = False)", ValueError),
-    # PagedCache has no cross-attention layers; mllama's decoder reads its cache's cross-attention
-    # layer keys (None) and fails inside the model (default and static caches match eager).
-    "mllama": ("PagedCache has no cross-attention layers: mllama reads their keys (None)", AttributeError),
-    # With PagedCache the decode tokens differ from eager's; default and static caches match, and
-    # so does PagedCache when config.sliding_window (5 here; moshi's attention and mask ignore it)
-    # is wider than the sequence: PagedCache's path windows where moshi's eager does not.
-    "moshi": ("PagedCache: decode tokens differ once the sequence passes config.sliding_window", AssertionError),
-}
+# fix shows as a failure here. Architectures pagedkv refuses at construction
+# (pagedkv.hf.compat.REFUSED_ARCHITECTURES: model code that reads the 4-D eager mask) and models
+# whose layers a PagedCache cannot hold (compat.PAGED_CACHE_REFUSED: mllama, moshi on 5.x) are
+# not here: the test asserts their errors.
+XFAIL = {}
+# transformers 5.x only.
+XFAIL_5 = {}
+# Composite models refused at construction through a sub-model whose class sets
+# _supports_attention_backend = False: model_type -> the sub-model class the error names.
+REFUSED_THROUGH_SUBMODEL = {"phi4_multimodal": "Phi4MultimodalAudioModel"}
 
 # transformers 4.57 only.
 # The generic tiny config does not build or run these with eager on 4.57 (pagedkv is not reached).
@@ -98,18 +82,9 @@ SKIP_4 = {
     "phi4_multimodal": "its default config has no vision_config (None), which the model needs",
     "mllama": "its tiny config does not build (a None sub-config field)",
 }
-# Known wrong with pagedkv on 4.57 (found by this sweep on 2026-11-28).
-XFAIL_4 = {
-    # GPT-2's attention passes is_causal=False whenever a mask is given (its eager path masks
-    # causally through its own `bias` buffer and the 4-D mask); pagedkv's 2-D padding mask carries
-    # no causality, so the prefill attends to later tokens: logits 29% off (forcing causal: 4e-7).
-    "gpt2": ("passes is_causal=False with a mask: pagedkv's prefill is not causal", AssertionError),
-    "gpt-sw3": ("GPT-2's attention: is_causal=False with a mask, pagedkv's prefill is not causal", AssertionError),
-    # They build their own 4-D mask and pass it to attention: pagedkv refuses it by name at the first call.
-    "opt": ("builds its own 4-D mask: pagedkv refuses it at the first call", ValueError),
-    "persimmon": ("builds its own 4-D mask: pagedkv refuses it at the first call", ValueError),
-    "fuyu": ("builds its own 4-D mask (Persimmon's): pagedkv refuses it at the first call", ValueError),
-}
+# Known wrong with pagedkv on 4.57 (none now: GPT-2's is_causal=False with a mask, found by this
+# sweep on 2026-11-28, is read from the module, see pagedkv.hf.compat.CAUSAL_FROM_MODULE).
+XFAIL_4 = {}
 
 
 def _architectures():
@@ -219,9 +194,16 @@ def _params():
 @pytest.mark.parametrize("model_type", _params())
 def test_architecture_against_eager(model_type):
     model_class = _model_class(model_type)
-    if not model_class._supports_attention_backend:
+    if model_type in REFUSED_THROUGH_SUBMODEL:
+        with pytest.raises(ValueError, match=f"pagedkv.*{REFUSED_THROUGH_SUBMODEL[model_type]}"):
+            build(model_type, "pagedkv")
+        return
+    if phf.attention.refused_architecture_message(model_class) is not None:
         with pytest.raises(ValueError, match=f"pagedkv.*{model_class.__name__}"):
             build(model_type, "pagedkv")
+        if model_class._supports_attention_backend:  # listed in compat.REFUSED_ARCHITECTURES
+            with pytest.raises(ValueError, match=f"pagedkv.*{model_class.__name__}"):
+                build(model_type).set_attn_implementation(phf.IMPLEMENTATION)
         return
     model = build(model_type)
     expected_tokens, expected_logits = generate(model)
@@ -237,8 +219,20 @@ def test_architecture_against_eager(model_type):
         with pytest.raises(ValueError, match="PagedCache cannot hold"):  # recurrent / convolution layers
             phf.PagedCache(model)
         return
+    if _paged_cache_refused(model):
+        with pytest.raises(ValueError, match="PagedCache cannot serve"):
+            phf.PagedCache(model)
+        return
     paged = generate(model, **paged_cache_argument(model, page_size=4))[0]
     assert torch.equal(paged, expected_tokens), "PagedCache: tokens"
+
+
+def _paged_cache_refused(model):
+    """Whether compat.PAGED_CACHE_REFUSED lists the model (or its text model), or its text config
+    has cross-attention layers: then PagedCache(model) must refuse it."""
+    configs = (model.config, model.config.get_text_config(decoder=True))
+    return any(phf.compat.refusal(phf.compat.PAGED_CACHE_REFUSED, getattr(config, "model_type", None))
+               or getattr(config, "cross_attention_layers", None) for config in configs)
 
 
 def _check_static_cache(model_type, model, expected_tokens):

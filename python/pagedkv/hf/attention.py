@@ -12,7 +12,15 @@ import threading
 import torch
 
 from .. import ops
-from .compat import IMPLEMENTATION, _refuse_unsupported_keywords, check_transformers_version
+from .compat import (
+    CAUSAL_FROM_MODULE,
+    IMPLEMENTATION,
+    REFUSED_ARCHITECTURES,
+    WINDOW_FROM_CONFIG,
+    _refuse_unsupported_keywords,
+    check_transformers_version,
+    refusal,
+)
 
 
 def register() -> None:
@@ -76,11 +84,13 @@ def _written_keys(kv_length, kv_offset, padding_mask, q_length, q_offset, cache_
 
 
 def _refuse_architectures_without_attention_interface() -> None:
-    """Makes "pagedkv" fail at model construction, naming the architecture, for models whose class
-    says it does not call attention through transformers' AttentionInterface
-    (``_supports_attention_backend = False``: falcon, stablelm, bert, Mamba hybrids, ...). Such a
-    model either looks the name up in its own table (a bare KeyError: 'pagedkv') or silently runs
-    another attention. Other implementations go through unchanged."""
+    """Makes "pagedkv" fail at model construction (and at set_attn_implementation), naming the
+    architecture, for models whose class says it does not call attention through transformers'
+    AttentionInterface (``_supports_attention_backend = False``: falcon, stablelm, bert, Mamba
+    hybrids, ...; such a model either looks the name up in its own table, a bare KeyError:
+    'pagedkv', or silently runs another attention) and for those listed in
+    ``compat.REFUSED_ARCHITECTURES`` (model code that reads the 4-D eager mask, ...). Other
+    implementations go through unchanged."""
     from transformers import PreTrainedModel
 
     check = PreTrainedModel.get_correct_attn_implementation
@@ -88,12 +98,29 @@ def _refuse_architectures_without_attention_interface() -> None:
         return
 
     def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
-        if requested_attention == IMPLEMENTATION and not type(self)._supports_attention_backend:
-            raise ValueError(unsupported_architecture_message(type(self)))
+        if requested_attention == IMPLEMENTATION:
+            message = refused_architecture_message(type(self), getattr(self, "config", None))
+            if message is not None:
+                raise ValueError(message)
         return check(self, requested_attention, *args, **kwargs)
 
     get_correct_attn_implementation._pagedkv_refuses = True
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
+def refused_architecture_message(model_class, config=None) -> str | None:
+    """Why attn_implementation="pagedkv" cannot run model_class (with config, if given), or None."""
+    if not model_class._supports_attention_backend:
+        return unsupported_architecture_message(model_class)
+    model_type = getattr(config, "model_type", None) or getattr(
+        getattr(model_class, "config_class", None), "model_type", None)
+    reason = refusal(REFUSED_ARCHITECTURES, model_type)
+    if reason is None:
+        return None
+    return (
+        f"attn_implementation='{IMPLEMENTATION}' cannot run {model_class.__name__} (model_type '{model_type}'): "
+        f"{reason}, which pagedkv's 2-D padding mask is not; load it with attn_implementation='eager' or 'sdpa'"
+    )
 
 
 def unsupported_architecture_message(model_class) -> str:
@@ -201,6 +228,8 @@ def _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout
     if dropout and getattr(module, "training", False):
         raise ValueError("pagedkv attention is for inference: dropout must be 0 (call model.eval())")
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if type(module).__name__ in CAUSAL_FROM_MODULE:  # see compat.CAUSAL_FROM_MODULE
+        causal = bool(getattr(module, "is_causal", True)) and not getattr(module, "is_cross_attention", False)
     # transformers' masks keep key j for query i when i - j < sliding_window.
     window_left = -1 if not sliding_window else int(sliding_window) - 1
     return {
@@ -219,6 +248,10 @@ def _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout
 # (same thread, right after) finds them by identity. Anything else is contiguous K/V.
 _pending = threading.local()
 
+# The default of attention_forward's sliding_window: told apart from an explicit None (a layer
+# without a window), see _window_not_passed.
+_NOT_PASSED = object()
+
 
 def attention_forward(
     module: torch.nn.Module,
@@ -228,7 +261,7 @@ def attention_forward(
     attention_mask: torch.Tensor | None,  # None or bool [B, >= Sk]
     dropout: float = 0.0,
     scaling: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = _NOT_PASSED,
     softcap: float | None = None,
     is_causal: bool | None = None,
     **kwargs,
@@ -238,6 +271,8 @@ def attention_forward(
     and is not implemented (attention sinks, head masks, position biases, sparse indices, ...)
     raises NotImplementedError naming it; see ``_refuse_unsupported_keywords``."""
     sinks = _pop_sinks(kwargs, query.size(1))
+    if sliding_window is _NOT_PASSED:
+        sliding_window = _window_not_passed(module)
     _refuse_unsupported_keywords(kwargs)
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout)
     if sinks is not None:
@@ -260,6 +295,17 @@ def attention_forward(
         _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
     key, value = _written_keys_only(key, value, attention_mask)
     return _attend_contiguous(query, key, value, attention_mask, options), None
+
+
+def _window_not_passed(module):
+    """The sliding window of a layer whose model passes no sliding_window keyword: the module's
+    own `sliding_window` attribute (Qwen2-MoE in 5.x keeps it there), or config.sliding_window for
+    the classes in compat.WINDOW_FROM_CONFIG (Phi-MoE in 5.x: only its mask function windows).
+    Anything else has no window (what eager does with such a layer's causal mask)."""
+    window = getattr(module, "sliding_window", None)
+    if window is None and type(module).__name__ in WINDOW_FROM_CONFIG:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return window
 
 
 def _written_keys_only(key, value, attention_mask):

@@ -11,7 +11,7 @@ from .. import host_alloc, ops
 from ..cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
 from ..dtypes import is_fp8, num_scale_groups
 from .attention import _padding_mask, _pending, _Rows
-from .compat import IMPLEMENTATION, check_transformers_version
+from .compat import IMPLEMENTATION, PAGED_CACHE_REFUSED, check_transformers_version, refusal
 
 # Pages in a PagedCache grow by this factor when a step needs more (amortised copies).
 POOL_GROWTH = 2
@@ -301,6 +301,25 @@ def _refuse_layers_without_attention(config) -> None:
         )
 
 
+def _refuse_unservable_models(model_or_config) -> None:
+    """Models whose layers a PagedCache cannot hold (compat.PAGED_CACHE_REFUSED: mllama's
+    cross-attention layers, ...; and any config listing cross_attention_layers): refused when the
+    cache is made, with the reason, instead of failing or differing inside the model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    configs = [config, _text_config(config)]
+    for candidate in configs:
+        model_type = getattr(candidate, "model_type", None)
+        reason = refusal(PAGED_CACHE_REFUSED, model_type)
+        if reason is None and getattr(candidate, "cross_attention_layers", None):
+            reason = "its cross-attention layers (cross_attention_layers) read keys and values a PagedCache does not hold"
+        if reason is not None:
+            raise ValueError(
+                f"PagedCache cannot serve {type(config).__name__} (model_type '{getattr(config, 'model_type', '?')}'): "
+                f"{reason}; use transformers' own cache (the default, or cache_implementation='static') with "
+                f"attn_implementation='{IMPLEMENTATION}'"
+            )
+
+
 def _refuse_different_kv_widths(config) -> None:
     """A PagedKVCacheCollection (continuous batching) holds K and V of one width; MLA layers
     (kv_lora_rank in the config: DeepSeek-V2/V3 and their kind) store other widths."""
@@ -321,6 +340,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
         """See ``pagedkv.hf.PagedCache``."""
 
         def __init__(self, model_or_config, page_size, kv_dtype, num_pages, quant_group, collection):
+            _refuse_unservable_models(model_or_config)
             config = _text_config(model_or_config)
             implementation = getattr(config, "_attn_implementation", None)
             if implementation not in (None, IMPLEMENTATION):

@@ -89,6 +89,65 @@ _UNSUPPORTED_KEYWORDS = {
 
 
 
+# Attention classes whose model windows attention (its mask function is the sliding-window one)
+# without passing sliding_window to the attention function: the window is config.sliding_window.
+# (A class that keeps its window as `self.sliding_window` without passing it, as 5.x's
+# Qwen2MoeAttention, needs no entry: a missing keyword is read from that attribute first.)
+WINDOW_FROM_CONFIG = frozenset({
+    "PhimoeAttention",  # 5.x: only create_sliding_window_causal_mask applies the window
+})
+
+# Attention classes whose is_causal keyword says whether a mask was given, not whether attention is
+# causal: 4.57's GPT-2 passes is_causal=False with a mask (its eager path masks causally through
+# its own `bias` buffer and that mask), which pagedkv's 2-D padding mask does not do. For them the
+# module decides: causal unless it is a cross-attention layer.
+CAUSAL_FROM_MODULE = frozenset({"GPT2Attention", "DecisionTransformerGPT2Attention"})
+
+# Architectures whose class calls attention through the AttentionInterface but which pagedkv
+# cannot serve: model_type -> (why, transformers major versions where it applies, or None for
+# every line). Building one with attn_implementation="pagedkv" (or switching to it) raises a
+# ValueError naming pagedkv and the class (see attention._refuse_unsupported_architectures).
+_MASK_4D = "its model code reads the attention mask as the 4-D [batch, 1, q, kv] eager mask"
+REFUSED_ARCHITECTURES = {
+    "deepseek_v32": (_MASK_4D + " (its sparse-attention indexer)", None),
+    "glm_moe_dsa": (_MASK_4D + " (its sparse-attention indexer)", None),
+    "axk2": (_MASK_4D + " (its sparse-attention indexer)", None),
+    "hy_v4": (_MASK_4D + " (its sparse-attention indexer)", None),
+    "deepseek_v4": (_MASK_4D + " (its compressed keys)", None),
+    "dory": (_MASK_4D, None),
+    "doge": (_MASK_4D + " (its dynamic mask)", None),
+    "opt": ("it builds its own 4-D attention mask instead of calling the registered mask function", (4,)),
+    "persimmon": ("it builds its own 4-D attention mask instead of calling the registered mask function", (4,)),
+    "fuyu": ("its language model (Persimmon) builds its own 4-D attention mask", (4,)),
+}
+
+# Architectures whose layers a PagedCache cannot hold: model_type (of the config or its text
+# config) -> (why, transformers major versions or None). PagedCache(model) raises a ValueError
+# with the reason when it is made; transformers' own caches work with attn_implementation="pagedkv".
+PAGED_CACHE_REFUSED = {
+    "mllama": ("its cross-attention layers read the image tokens' keys and values from the cache, and a "
+               "PagedCache holds only self-attention layers", None),
+    "moshi": ("its sliding window is applied only by transformers' sliding cache layers (which drop keys "
+              "past config.sliding_window), not by its attention or mask, and a PagedCache keeps every key", (5,)),
+}
+
+
+def refusal(table: dict, model_type, version: str | None = None) -> str | None:
+    """The reason `table` gives for model_type on this transformers line, or None."""
+    entry = table.get(model_type)
+    if entry is None:
+        return None
+    reason, lines = entry
+    if lines is not None:
+        if version is None:
+            import transformers
+
+            version = transformers.__version__
+        if _version_tuple(version)[0] not in lines:
+            return None
+    return reason
+
+
 def _refuse_unsupported_keywords(kwargs: dict) -> None:
     for name, value in kwargs.items():
         if name in _KEYWORDS_WITHOUT_EFFECT or value is None or value is False:
