@@ -29,7 +29,7 @@ GB/s over that ceiling's GB/s. ggml's ggml_flash_attn_ext (f16 and q8_0 K/V, sam
 the same distribution: standard normal) runs as a subprocess right after each shape's rounds when
 benchmarks/ggml/build.sh has built it (else the ggml columns stay empty, with a message).
 --baseline-path packed|fma (--packed: packed) adds another decode path of the same build for bf16 and
-e4m3 (PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the float32 direct decode where the default takes
+e4m3 (kernel option cpu_decode="packed": the packed tiles; "fma": the float32 direct decode where the default takes
 the AVX512_BF16 dot products): before/after ratios.
 --head-major: the same values in head-major pages (storage [N, Hk, P, D], as vLLM's CPU cache; the
 ops get its [N, P, Hk, D] view), results stem decode_issue26_cpu_head_major.
@@ -155,13 +155,10 @@ def ggml_times(B, L, Hq, Hk, D, threads, reps):
 
 
 def with_decode_path(path, fn):
-    """fn run with PAGEDKV_CPU_DECODE=path ("default": unset), read by the CPU kernel on every call."""
+    """fn run with the kernel option cpu_decode=path ("auto": the default choice), read once per call."""
 
     def run():
-        if path == "default":
-            os.environ.pop("PAGEDKV_CPU_DECODE", None)
-        else:
-            os.environ["PAGEDKV_CPU_DECODE"] = path
+        pagedkv.set_kernel_options(cpu_decode=path)
         return fn()
 
     return run
@@ -192,11 +189,11 @@ def issue26_case(B, L, gen, lib, args):
         err = (cands[name]().float() - out.float()).abs().max().item()
         assert err < 0.25, f"{name} decode differs from bf16 by {err}"  # a sanity check, not a test
     base = args.baseline_path
-    if base:  # another decode path of the same build (PAGEDKV_CPU_DECODE=packed|fma), for before/after ratios
+    if base:  # another decode path of the same build (cpu_decode="packed"|"fma"), for before/after ratios
         for name in ("bf16", "e4m3"):
             cands[f"{name}_{base}"] = with_decode_path(base, cands[name])
         for name in ("bf16", "e4m3", "e5m2"):
-            cands[name] = with_decode_path("default", cands[name])
+            cands[name] = with_decode_path("auto", cands[name])
     cands["ceiling_bf16"] = common.read_ceiling_call(lib, kv_bytes, threads)
     cands["ceiling_fp8"] = common.read_ceiling_call(lib, fp8_bytes, threads)
     s = common.time_interleaved(cands, args.reps, args.warmup)
@@ -347,7 +344,7 @@ def main():
     p.add_argument("--issue26", action="store_true", help="issue 26 shapes against the native read ceiling and ggml")
     p.add_argument("--baseline-path", choices=["packed", "fma"], default=None,
                    help="with --issue26: also time this decode path of the same build for bf16 and e4m3 "
-                        "(PAGEDKV_CPU_DECODE=packed: the packed tiles; fma: the direct decode on float32 FMAs "
+                        "(cpu_decode=\"packed\": the packed tiles; \"fma\": the direct decode on float32 FMAs "
                         "where the default takes the bf16 dot products)")
     p.add_argument("--packed", action="store_const", const="packed", dest="baseline_path",
                    help="the same as --baseline-path packed")

@@ -137,29 +137,28 @@ def sdpa_backend_name():
 
 
 @contextlib.contextmanager
-def env_switches(env):
-    """The kernels' environment switches set for the block (each read per launch), then removed."""
-    os.environ.update(env)
+def kernel_options(**options):
+    """Kernel options (pagedkv.set_kernel_options, read per launch) set for the block, then put back."""
+    previous = pagedkv.set_kernel_options(**options)
     try:
         yield
     finally:
-        for k in env:
-            del os.environ[k]
+        pagedkv.set_kernel_options(**previous)
 
 
-# other kernel paths timed beside the default (A/B in one run): the generic FP8 tile conversion, and
-# the opt-in ones of the decode key split (csrc/cuda/README.md)
+def options_already_set(options):
+    """Whether the run was started with these options (then the default rows already time them)."""
+    current = pagedkv.kernel_options()
+    return any(current[name] == value for name, value in options.items())
+
+
+# opt-in decode paths timed beside the default (A/B in one run; csrc/cuda/README.md)
 OTHER_PATHS = {
-    "generic_convert": {"PAGEDKV_CUDA_FP8_FAST_CONVERT": "0"},
-    "warp_sync": {"PAGEDKV_CUDA_DECODE_WARP_SYNC": "1"},
-    "k_fragments": {"PAGEDKV_CUDA_FP8_K_FRAGMENTS": "1"},
-    "spread_issue": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1"},
-    "rows_ahead": {"PAGEDKV_CUDA_ROWS_AHEAD": "1"},
-    "spread_rows_ahead": {"PAGEDKV_CUDA_SPREAD_ISSUE": "1", "PAGEDKV_CUDA_ROWS_AHEAD": "1"},
+    "k_fragments": {"cuda_fp8_k_fragments": True},
 }
 # opt-in paths of prefill-like calls, timed beside the default prefill
 PREFILL_PATHS = {
-    "rows32": {"PAGEDKV_CUDA_PREFILL_ROWS32": "1"},
+    "rows32": {"cuda_prefill_rows32": True},
 }
 
 
@@ -186,12 +185,12 @@ def bench_decode(timer, cfg, ceil):
     kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk if es == 1 else 0)
     io = kv_bytes + 2 * q.numel() * 2
     res.update(pagedkv_s=t, pagedkv_graph_s=tg, bytes=io, bw_frac_of_copy=io / tg / ceil["copy_bytes_per_s"])
-    # other kernel paths, timed beside the default (their switches are read per launch, so the graph
+    # opt-in kernel paths, timed beside the default (their options are read per launch, so the graph
     # captured here uses them)
-    for name, env in OTHER_PATHS.items():
-        if (es == 2 and "FP8" in "".join(env)) or any(k in os.environ for k in env):
+    for name, options in OTHER_PATHS.items():
+        if (es == 2 and any("fp8" in k for k in options)) or options_already_set(options):
             continue
-        with env_switches(env):
+        with kernel_options(**options):
             res[f"{name}_graph_s"] = timer.graph(run)
     # peers on bf16 values (same token values)
     if not cfg.get("lens"):
@@ -263,9 +262,9 @@ def bench_prefill(timer, cfg, ceil):
     flops = 4 * hq * d * visible
     res = {"op": "prefill", **cfg, "pagedkv_s": t, "flops": flops, "tflops": flops / t / 1e12,
            "frac_of_matmul": flops / t / ceil["bf16_matmul_flops"]}
-    for name, env in PREFILL_PATHS.items():
-        if not any(k in os.environ for k in env):
-            with env_switches(env):
+    for name, options in PREFILL_PATHS.items():
+        if not options_already_set(options):
+            with kernel_options(**options):
                 res[f"{name}_s"] = timer(run)
     kc, vc = contiguous_kv(pool, b, hk, d)
     q4 = q.view(b, L, hq, d).transpose(1, 2)
@@ -355,7 +354,7 @@ def bench_sparse(timer, cfg, ceil):
             res[key], res[f"{key}_note"] = None, str(e)[:120]
         finally:
             pagedkv._C.set_cuda_loader(-1)
-    with env_switches({"PAGEDKV_CUDA_SPARSE_KERNEL": "portable"}):
+    with kernel_options(cuda_sparse_kernel="portable"):
         res["sparse_portable_s"] = timer.graph(sparse)
     best = min((v for key, v in res.items() if key.startswith("sparse_") and key.endswith("_s") and v), default=None)
     res["best_bw_frac_of_copy"] = kv_bytes / best / ceil["copy_bytes_per_s"] if best else None

@@ -9,7 +9,7 @@
 #
 # `all` is build, test, bench, memcheck (in that order, the most telling first); sass (it compiles
 # every target, minutes of device time; .ci/cuda_build_check.sh does the same check on any machine
-# with nvcc), racecheck (racecheck and synccheck on the opt-in decode paths) and profile (Nsight Compute
+# with nvcc), racecheck (racecheck and synccheck on the opt-in FP8 decode path) and profile (Nsight Compute
 # on the attention kernels) only when named. Each stage has a time limit (seconds; env GPU_T_TEST,
 # GPU_T_BENCH, GPU_T_MEMCHECK, GPU_T_RACECHECK, and GPU_T_OPT_IN for the opt-in kernel paths' tests,
 # which run first), so one call fits the device tool's 10 minutes and what a stage measured before its
@@ -124,7 +124,7 @@ if want test; then
   has_module pytest_timeout && PAR+=(--timeout "${GPU_TEST_TIMEOUT:-180}")
   # the opt-in kernel paths first, on their own short limit: a wrong mbarrier count there hangs a kernel,
   # and the whole suite must not spend the device time waiting on it; the suite then leaves them out
-  OPT_IN="warp_sync or k_fragments or spread_issue or rows_ahead or prefill_rows32 or opt_in_paths or nan_before_every_window"
+  OPT_IN="k_fragments or prefill_rows32 or opt_in_paths or nan_before_every_window"
   log "tests of the opt-in paths: -k '$OPT_IN' (limit ${GPU_T_OPT_IN:-90}s)"
   OMP_NUM_THREADS=2 timeout "${GPU_T_OPT_IN:-90}" $PY -m pytest tests/ops/test_flash_attn_paged_kernel_paths.py -v \
     -rfEs -p no:cacheprovider -k "$OPT_IN" "${PAR[@]}" >"$OUT/pytest.txt" 2>&1
@@ -148,10 +148,10 @@ if want bench; then
 fi
 
 if want racecheck; then
-  # shared-memory hazards and barrier misuse of the opt-in decode paths (a warp barrier where a block
+  # shared-memory hazards and barrier misuse of the opt-in FP8 decode path (a warp barrier where a block
   # barrier was): compute-sanitizer's racecheck (it sees threads' shared stores and loads, not TMA's
-  # writes) and synccheck, on a few of their cases
-  RACE_K="(warp_sync or k_fragments or spread_issue) and 128-16 and not e5m2 and not e4m3fn-float16"  # D 128, page 16
+  # writes) and synccheck, on a few of its cases
+  RACE_K="k_fragments and 128-16 and not e5m2 and not e4m3fn-float16"  # D 128, page 16
   log "compute-sanitizer racecheck and synccheck on -k '$RACE_K' (limit ${GPU_T_RACECHECK:-120}s each)"
   if command -v compute-sanitizer >/dev/null; then
     for tool in racecheck synccheck; do

@@ -82,11 +82,17 @@ def supported_or_skip(device, op, *args, **kwargs):
 
 @pytest.fixture
 def cuda_knobs():
-    """Puts back the process-wide CUDA settings a test may change (forced K/V loader, host checks)."""
+    """Puts back the process-wide kernel options a test may change (forced K/V loader, host checks, split
+    count, opt-in paths: pagedkv.set_kernel_options) to their values before the test."""
+    previous = pagedkv.kernel_options()
     yield
-    if HAS_CUDA:
-        _C.set_cuda_loader(-1)
-    pagedkv.set_checks(False)
+    pagedkv.set_kernel_options(**previous)
+
+
+@pytest.fixture
+def kernel_options(cuda_knobs):
+    """pagedkv.set_kernel_options for one test: every option is put back after it."""
+    return pagedkv.set_kernel_options
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 against the float64 reference.
 
 Direct decode widens K/V rows in registers next to the products (e4m3 through f16 bits with the 2^8
-folded into the scales, NaN codes found by a byte compare). PAGEDKV_CPU_DECODE=packed selects the
-packed tiles instead, read per call, so both paths run in this process on the same inputs:
+folded into the scales, NaN codes found by a byte compare). The kernel option cpu_decode="packed"
+(pagedkv.set_kernel_options) selects the packed tiles instead, read per call, so both paths run in this
+process on the same inputs:
 - 16-bit and FP8 caches, FP8 scales per row (folded) and per group of 8 / 32 elements,
 - 3, 4 and 5 query heads per KV head (blocks of 4 query vectors and their remainders), D 72 (a half
   column block on AVX2; not a whole 16-lane vector, so the packed path on AVX-512), D 80 (a half column
@@ -15,9 +16,9 @@ On the scalar kernels both settings run the packed path and the test still holds
 With bf16 queries, the AVX-512 kernels on a CPU with AVX512_BF16 run the direct decode on bf16 dot
 products (csrc/cpu/kernels/decode_dot.inc) for bf16 rows (D a multiple of 32, Dv of 64) and raw FP8
 rows with one scale per row or per group of a multiple of 32 channels (D, Dv multiples of 64, VBMI);
-PAGEDKV_CPU_DECODE=fma keeps the float32
+cpu_decode="fma" keeps the float32
 products there. So every test here runs for float32 and bf16 queries under all three settings:
-"direct" (the default choice), "fma" and "packed".
+"auto" (the default choice: the direct decode), "fma" and "packed".
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pagedkv
 from pagedkv import reference as ref
 
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
-PATHS = ["direct", "fma", "packed"]
+PATHS = ["auto", "fma", "packed"]
 Q_DTYPES = [torch.float32, torch.bfloat16]
 LENGTHS = [1, 77, 300, 1100]  # cached keys per row, the new token included: odd tiles, one split-KV row
 PAGE = 16
@@ -91,11 +92,11 @@ def decode_case(seed, dtype, group, q_heads, hk, d, q_dtype=torch.float32, sprea
 @pytest.mark.parametrize("q_heads,hk,d,group", [(6, 2, 128, 128), (8, 2, 72, 8), (5, 1, 128, 32), (4, 1, 80, 16),
                                                 (8, 2, 64, 64), (3, 1, 192, 192), (7, 1, 96, 96), (7, 1, 128, 128),
                                                 (16, 2, 64, 64)])
-def test_direct_decode_matches_reference(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group):
+def test_direct_decode_matches_reference(kernel_options, q_dtype, path, dtype, q_heads, hk, d, group):
     """D 64 / 128 / 192 with one scale per row: the bf16 dot decode's bf16 and FP8 rows (QK and PV
     blocks of 4 query vectors and their remainders 1..3; GQA 7 and 8: two blocks); D 96 (V not whole
     64-column blocks) and FP8 groups smaller than D: the float32 products."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
     q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype)
     out = pagedkv.flash_attn_paged(q, *args, **kwargs)
@@ -106,9 +107,9 @@ def test_direct_decode_matches_reference(monkeypatch, q_dtype, path, dtype, q_he
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kdt,vdt", [(torch.bfloat16, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.bfloat16)],
                          ids=["k_bf16-v_e4m3", "k_e4m3-v_bf16"])
-def test_direct_decode_mixed_cache_dtypes(monkeypatch, path, kdt, vdt):
+def test_direct_decode_mixed_cache_dtypes(kernel_options, path, kdt, vdt):
     """K and V of different dtypes take their own conversions (the e4m3 side in its own slot order)."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     q, (offsets, k, _, lengths, table), kw = decode_case(11, kdt, 128, 8, 2, 128, torch.bfloat16)
     _, (_, _, v, _, _), vkw = decode_case(12, vdt, 128, 8, 2, 128, torch.bfloat16)  # same shapes, other values
     args = (offsets, k, v, lengths, table)
@@ -122,11 +123,11 @@ def test_direct_decode_mixed_cache_dtypes(monkeypatch, path, kdt, vdt):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("group", [128, 32])
-def test_direct_decode_e4m3_nan_codes(monkeypatch, q_dtype, path, where, group):
+def test_direct_decode_e4m3_nan_codes(kernel_options, q_dtype, path, where, group):
     """NaN codes (0x7f, 0xff) in a visible K row make the query rows of that KV head NaN (a NaN key is
     never dropped: the CPU kernels' rule, tests/test_cpu_kernels_isa.py); in a V row they make those
     columns NaN (p * NaN, as in the reference). Everything else matches the reference."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     q, (offsets, k, v, lengths, table), kwargs = decode_case(7, torch.float8_e4m3fn, group, 8, 2, 128, q_dtype)
     cache = k if where == "k" else v
     bits = cache.view(torch.uint8)
@@ -152,12 +153,12 @@ def test_direct_decode_e4m3_nan_codes(monkeypatch, q_dtype, path, where, group):
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2], ids=str)
-def test_direct_decode_tiles_of_minus_inf_scores(monkeypatch, q_dtype, path, dtype):
+def test_direct_decode_tiles_of_minus_inf_scores(kernel_options, q_dtype, path, dtype):
     """Keys whose every score is -inf (a -inf K element against a positive q element) get probability 0:
     whole 32-key tiles of them at the start of an item (row 3's 1100 keys are two split items, from key
     0 and from key 576), where the running max is still -inf, and in the middle of one. The softmax then
     scores that tile's rows against 0, not against the -inf max (-inf - -inf is NaN)."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     q, (offsets, k, v, lengths, table), kwargs = decode_case(21, dtype, 128, 8, 2, 128, q_dtype)
     q[:, :, 0] = q[:, :, 0].abs() + 0.5
     for key in list(range(0, 32)) + list(range(200, 232)) + list(range(576, 640)):
@@ -171,11 +172,11 @@ def test_direct_decode_tiles_of_minus_inf_scores(monkeypatch, q_dtype, path, dty
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
+def test_direct_decode_every_fp8_code(kernel_options, q_dtype, path, dtype):
     """Every one of the 256 codes as a V value: a row with one key outputs its V row times the scale
     (probability 1), so each code's widening (the bf16 tables of the dot decode included) is checked
     exactly against torch's conversion, NaN and infinities too."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     d = 128
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(2, 1, 1, d)  # 2 rows of 128 codes
     v = torch.zeros(2, PAGE, 1, d, dtype=torch.uint8)
@@ -196,13 +197,13 @@ def test_direct_decode_every_fp8_code(monkeypatch, q_dtype, path, dtype):
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("hk", [8, 5, 12, 20])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, layout):
+def test_direct_decode_row_scales_of_many_heads(kernel_options, path, dtype, hk, layout):
     """The per-row FP8 scales of all the KV heads of a decode item, read once per tile (head_scales in
     decode_direct.inc): 8 heads (a whole 8 x 8 transpose of [key][head] loads), 5 (heads past the
     item's masked off), 12 and 20 (two and three transposes, the last one's heads past the item's masked
     off), scales whose heads are not neighbours (a [..., :1] view of a wider tensor: the gathers), short
     last tiles (77 keys)."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     seed = zlib.crc32(repr((str(dtype), hk, layout)).encode())
     q, (offsets, k, v, lengths, table), kw = decode_case(seed, dtype, 128, 2 * hk, hk, 128, torch.bfloat16)
     ks, vs = kw["k_scales"], kw["v_scales"]
@@ -222,7 +223,7 @@ def test_direct_decode_row_scales_of_many_heads(monkeypatch, path, dtype, hk, la
 @pytest.mark.parametrize("q_heads,hk,d,group", [(8, 2, 128, 64), (4, 1, 256, 128), (7, 1, 192, 64), (6, 2, 128, 96),
                                                 (3, 1, 128, 32), (16, 8, 128, 64), (8, 4, 128, 32), (32, 8, 128, 32)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_heads, hk, d, group, layout):
+def test_direct_decode_fp8_scale_groups(kernel_options, q_dtype, path, dtype, q_heads, hk, d, group, layout):
     """FP8 rows with a scale per group of channels (G < D, a multiple of 32): with bf16 queries the dot
     decode scores each group apart and scales its partial scores (dot_qk_fp8_groups), and takes one bf16
     probability row per V group (dot_pv_fp8_groups). 2-4 groups per row, D 256 at the default G 128,
@@ -230,7 +231,7 @@ def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_hea
     4 and 7 (blocks of 4 query vectors and remainders), 8 KV heads x 2 groups and 4 x 4 (16 scales per key:
     two 8 x 8 transposes), 8 x 4 (32: four), and scales whose heads are not neighbours (the gathers). The
     groups' values differ 64-fold (make_cache's spread), so a scale applied to the wrong group shows."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     seed = zlib.crc32(repr((str(dtype), q_heads, hk, d, group)).encode())
     q, args, kwargs = decode_case(seed, dtype, group, q_heads, hk, d, q_dtype, spread=True)
     if layout == "strided":  # each head's scales two floats after the end of the previous head's
@@ -247,14 +248,14 @@ def test_direct_decode_fp8_scale_groups(monkeypatch, q_dtype, path, dtype, q_hea
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("kdt,vdt", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.bfloat16),
                                      (torch.bfloat16, torch.float8_e4m3fn)], ids=["e4m3", "k_e5m2-v_bf16", "k_bf16-v_e4m3"])
-def test_direct_decode_fp8_groups_rows_and_softcap(monkeypatch, path, softcap, kdt, vdt):
+def test_direct_decode_fp8_groups_rows_and_softcap(kernel_options, path, softcap, kdt, vdt):
     """Grouped FP8 scales (G 32, D 128) where the softmax runs row by row: a softcap, and three new tokens
     per sequence (causal: each query row sees keys up to its own; after 31 and 62 cached keys the first
     rows see none of the last tile's, whose probabilities must be 0 in every V group's row); K and V of
     different dtypes (grouped on one side only). Without the softcap, K that can hold -inf (e5m2, bf16)
     gets whole tiles of -inf scores at the start of the longest row (the running max still -inf there:
     zero probabilities in every V group's row)."""
-    monkeypatch.setenv("PAGEDKV_CPU_DECODE", path)
+    kernel_options(cpu_decode=path)
     gen = torch.Generator().manual_seed(5)
     rows, hk, heads, d, group = 3, 2, 2, 128, 32
     # cached keys before the 3 new tokens: after 31 and 62 the last 32-key tile lies past the first rows' keys

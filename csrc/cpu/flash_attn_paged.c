@@ -29,6 +29,7 @@
 
 #include "pkv_cpu.h"
 #include "../core/pkv_numeric.h"
+#include "../core/pkv_settings.h"
 
 /* Query vectors (rows x query heads of one KV head) per item: each packed
  * 64-key tile is reused by 256 vectors (1.1x prefill over 128 on AMX), and
@@ -393,15 +394,16 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
    * keys on every other path) */
   int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
                 (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(d, a->quant_group)));
+  const pkv_cpu_decode decode = pkv_settings_get().cpu_decode;
   split_state *st = (split_state *)plan->splits;
   pkv_item_queue queue = {plan->items, claims, begin, end, -1};
   for (int64_t i = queue_next(&queue); i < end; i = queue_next(&queue)) {
     const pkv_attn_item *it = &plan->items[i];
     if (it->split_group < 0) {
-      k->attn_item(a, it, &queue, use_dot, 1, &w);
+      k->attn_item(a, it, &queue, use_dot, 1, decode, &w);
       continue;
     }
-    k->attn_item(a, it, &queue, use_dot, 0, &w);
+    k->attn_item(a, it, &queue, use_dot, 0, decode, &w);
     int64_t rows = it->num_rows * heads * it->num_kv_heads;
     float *slot = st->partials + it->split_slot * st->slot_floats;
     memcpy(slot, w.m, (size_t)rows * sizeof(float));

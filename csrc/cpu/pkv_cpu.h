@@ -10,6 +10,7 @@
 #define PKV_CPU_H
 
 #include "pkv_cpu_ops.h"
+#include "../core/pkv_settings.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -93,9 +94,10 @@ typedef struct {
    * split-KV merge. use_dot_bf16: the item may use bf16 dot products (only
    * passed when the CPU has them and q and K are exact in bf16). queue: the
    * thread's items after this one (NULL: none); the kernel may take the next
-   * during this item's last tile, to prefetch its first (pkv_item_queue_take_ahead). */
+   * during this item's last tile, to prefetch its first (pkv_item_queue_take_ahead). decode: the
+   * decode paths it may take (pkv_settings.cpu_decode, read once per call by the driver). */
   void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, pkv_item_queue *queue, int use_dot_bf16,
-                    int write_out, pkv_cpu_attn_scratch *w);
+                    int write_out, pkv_cpu_decode decode, pkv_cpu_attn_scratch *w);
   /* Convert n elements src (f32/f16/bf16) into dst of a cache dtype. For FP8,
    * per group of `group` elements: scale = amax / FP8_MAX (1 when amax == 0),
    * written to scales[g], and the quantized codes (bit-exact with

@@ -18,7 +18,7 @@
 //
 // Files: flash_attn_paged_params.cuh (parameters, shared-memory layout, tile location, the key
 // split's fold), flash_attn_paged_kernel.cuh (the kernel body, the kernel, the split-KV combine),
-// this file (the launcher: environment switches, loader / head size / tile rows dispatch, the C
+// this file (the launcher: the opt-in paths' settings, loader / head size / tile rows dispatch, the C
 // entry point). The headers are included here only, so the kernels are one translation unit.
 //
 // Bounds: index values are never trusted. Rows are clamped to [0, T), page
@@ -26,19 +26,11 @@
 // the tail of a row's last page is zeroed in shared memory before PV, so
 // garbage or NaN in unused cache slots never reaches the output.
 #include <atomic>
-#include <cstdlib>
 
 #include "flash_attn_paged_kernel.cuh"
 
 namespace pkv {
 namespace {
-
-// An on/off environment switch: a value starting with '0' turns a default-on one off, one starting
-// with '1' turns a default-off one on; anything else (or unset) leaves the default.
-bool env_switch(const char *name, bool default_on) {
-  const char *v = std::getenv(name);
-  return default_on ? !(v && v[0] == '0') : (v && v[0] == '1');
-}
 
 template <int D, typename T, bool kFp8, int kLoader, int kBM>
 cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
@@ -158,19 +150,16 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);  // 16-bit pairs stored as one word
   p.kv_aligned = pkv_cache_aligned(&p.k, kv_es, 16) && pkv_cache_aligned(&p.v, kv_es, 16);
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
-  // The kernel paths' environment switches, read per call (a getenv, no lock), so a test or a benchmark can
-  // switch them. PAGEDKV_CUDA_KEY_SPLIT=0 turns the decode key split off (A/B timing, and an escape hatch)
-  p.key_split = env_switch("PAGEDKV_CUDA_KEY_SPLIT", true);
-  p.fp8_scale_ahead = env_switch("PAGEDKV_CUDA_FP8_SCALE_AHEAD", true);  // =0: off (A/B timing)
-  // FP8 with one scale per row: the statically shaped tile conversion with the hardware cvt, 2.2x
-  // faster decode than the generic one on an H200 (B=32 L=8192, 2026-11-27) and bit for bit the same;
-  // PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic one (A/B timing, and its tests)
-  p.fp8_fast_convert = env_switch("PAGEDKV_CUDA_FP8_FAST_CONVERT", true);
-  // opt-in (=1; compiled, not yet run on a GPU): warp_sync, k_fragments, spread_issue, rows_ahead above
-  p.warp_sync = env_switch("PAGEDKV_CUDA_DECODE_WARP_SYNC", false);
-  p.fp8_k_fragments = env_switch("PAGEDKV_CUDA_FP8_K_FRAGMENTS", false);
-  p.spread_issue = env_switch("PAGEDKV_CUDA_SPREAD_ISSUE", false);
-  p.rows_ahead = env_switch("PAGEDKV_CUDA_ROWS_AHEAD", false);
+  // The key split, the FP8 scales staged a tile ahead and the fast FP8 conversion won their A/Bs on an
+  // H200 (2026-11-27) and are the code; warp_sync, spread_issue and rows_ahead were removed unrun
+  p.key_split = 1;
+  p.fp8_scale_ahead = 1;
+  p.fp8_fast_convert = 1;
+  p.warp_sync = 0;
+  p.spread_issue = 0;
+  p.rows_ahead = 0;
+  // opt-in (the setting cuda_fp8_k_fragments, read with the plan; compiled, not yet run on a GPU)
+  p.fp8_k_fragments = plan->fp8_k_fragments;
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
   if (a->sinks.defined) {
@@ -191,10 +180,10 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   const int64_t batch = p.lengths.rows;
   const int64_t d = p.k.head_dim;
   const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
-  // PAGEDKV_CUDA_PREFILL_ROWS32=1 (opt-in; compiled, not yet run on a GPU): 128-row query tiles, 32 rows
-  // per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per batch row on average, so
-  // decode rows keep the 64-row tiles and their key split) on 16-bit caches with D <= 128
-  const bool rows32 = env_switch("PAGEDKV_CUDA_PREFILL_ROWS32", false) && !fp8 && d <= 128 &&
+  // The setting cuda_prefill_rows32 (opt-in, read with the plan; compiled, not yet run on a GPU): 128-row
+  // query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per batch row
+  // on average, so decode rows keep the 64-row tiles and their key split) on 16-bit caches with D <= 128
+  const bool rows32 = plan->prefill_rows32 && !fp8 && d <= 128 &&
                       p.num_rows * p.group >= kAttnRowsM32 * batch;
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row

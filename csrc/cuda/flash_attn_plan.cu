@@ -4,9 +4,9 @@
 // cache view fits), the tensor maps of the TMA loaders, and how many KV
 // splits a decode-like call needs to fill the SMs. The kernel is in
 // flash_attn_paged_kernel.cuh, its launcher in flash_attn_paged.cu.
-#include <cstdlib>
 #include <mutex>
 
+#include "../core/pkv_settings.h"
 #include "flash_attn.cuh"
 
 namespace pkv {
@@ -182,13 +182,11 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
       (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
   int64_t splits = 1;
   if (ctas < sms) splits = (2 * (int64_t)sms + ctas - 1) / ctas;
-  // PAGEDKV_CUDA_SPLITS=n forces n splits (1: none), for tests: the rule above spreads keys so
-  // thin that a CTA rarely runs more than two key tiles, which leaves the pipeline's buffer reuse
-  // and barrier parity flips untested. Read per call (a getenv, no lock), so a test can set it.
-  if (const char *forced = std::getenv("PAGEDKV_CUDA_SPLITS")) {
-    const long n = std::strtol(forced, nullptr, 10);
-    if (n >= 1) splits = n;
-  }
+  // The setting cuda_splits = n (PAGEDKV_CUDA_SPLITS=n) forces n splits (1: none), for tests: the rule
+  // above spreads keys so thin that a CTA rarely runs more than two key tiles, which leaves the
+  // pipeline's buffer reuse and barrier parity flips untested.
+  const pkv_settings settings = pkv_settings_get();
+  if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
   if (splits > max_key_tiles) splits = max_key_tiles;
   if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
   if (splits < 1) splits = 1;
@@ -198,6 +196,8 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   plan->num_splits = static_cast<int>(splits);
   plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
   plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+  plan->fp8_k_fragments = settings.cuda_fp8_k_fragments;
+  plan->prefill_rows32 = settings.cuda_prefill_rows32;
   return PKV_OK;
 }
 

@@ -9,9 +9,7 @@
 // forced loader does not fit. Nothing here instantiates a kernel: the tiled
 // kernel and its launch are in flash_attn_paged_sparse.cu, the portable one
 // in flash_attn_sparse_portable.cu, reached through flash_attn_sparse.cuh.
-#include <cstdlib>
-#include <cstring>
-
+#include "../core/pkv_settings.h"
 #include "flash_attn_sparse.cuh"
 
 namespace pkv {
@@ -105,12 +103,9 @@ TiledParams tiled_params(const SparseParams &s) {
   return p;
 }
 
-// PAGEDKV_CUDA_SPARSE_KERNEL=portable forces the portable kernel (read per call, like
-// PAGEDKV_CUDA_SPLITS), so tests can compare both kernels on the same arguments.
-bool portable_forced() {
-  const char *v = std::getenv("PAGEDKV_CUDA_SPARSE_KERNEL");
-  return v != nullptr && std::strcmp(v, "portable") == 0;
-}
+// The setting cuda_sparse = portable forces the portable kernel, so tests can compare both kernels on
+// the same arguments.
+bool portable_forced() { return pkv_settings_get().cuda_sparse == PKV_CUDA_SPARSE_PORTABLE; }
 
 }  // namespace
 }  // namespace pkv

@@ -59,6 +59,8 @@ typedef struct {
   int num_splits;            /* 1: no split-KV */
   int64_t partial_out_floats; /* [num_splits, T, Hq, Dv] */
   int64_t partial_lse_floats; /* [num_splits, T, Hq] */
+  int fp8_k_fragments;        /* the opt-in paths of the settings (pkv_settings.h), read with the plan */
+  int prefill_rows32;
 } pkv_cuda_attn_plan;
 
 /* force_loader: -1 picks the best available; otherwise that loader or an error. */
@@ -83,7 +85,7 @@ typedef struct {
 } pkv_cuda_sparse_plan;
 
 /* From shapes only. force_loader: -1 picks the best (gather4 where it fits, else cp.async, else the
- * portable kernel; PAGEDKV_CUDA_SPARSE_KERNEL=portable forces the portable one); 0 or 2 the tiled
+ * portable kernel; the setting cuda_sparse = portable forces the portable one); 0 or 2 the tiled
  * kernel with that loader, or PKV_ERR_UNSUPPORTED ("does not fit" / "is not available") when it
  * cannot run this call; 1 (tma-pages) is not a sparse loader: PKV_ERR_UNSUPPORTED. */
 pkv_status pkv_cuda_sparse_plan_make(const pkv_sparse_args *a, int device, int force_loader,

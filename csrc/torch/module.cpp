@@ -2,6 +2,9 @@
 // TORCH_LIBRARY blocks in this library) and exposes host-only helpers.
 #include <pybind11/pybind11.h>
 
+#include <string>
+
+#include "../core/pkv_settings.h"
 #include "pkv_torch.h"
 #ifdef PAGEDKV_WITH_CUDA
 #include "pkv_cuda_shim.h"
@@ -9,11 +12,52 @@
 
 void pkv_bind_page_manager(pybind11::module_ &m);  // page_manager_bind.cpp
 
+namespace {
+
+// The core settings (pkv_settings.h) as {field: int}; pagedkv.kernel_options names the values.
+pybind11::dict kernel_settings() {
+  const pkv_settings s = pkv_settings_get();
+  pybind11::dict d;
+  d["checks"] = s.checks;
+  d["cpu_decode"] = static_cast<int>(s.cpu_decode);
+  d["cuda_loader"] = s.cuda_loader;
+  d["cuda_splits"] = s.cuda_splits;
+  d["cuda_sparse_kernel"] = static_cast<int>(s.cuda_sparse);
+  d["cuda_fp8_k_fragments"] = s.cuda_fp8_k_fragments;
+  d["cuda_prefill_rows32"] = s.cuda_prefill_rows32;
+  return d;
+}
+
+// Changes the fields named in `changes` ({field: int}, the names above); an unknown name or a value out
+// of range raises ValueError and changes nothing.
+void set_kernel_settings(const pybind11::dict &changes) {
+  pkv_settings s = pkv_settings_get();
+  for (const auto &item : changes) {
+    const std::string name = pybind11::cast<std::string>(item.first);
+    const int value = pybind11::cast<int>(item.second);
+    if (name == "checks") s.checks = value;
+    else if (name == "cpu_decode") s.cpu_decode = static_cast<pkv_cpu_decode>(value);
+    else if (name == "cuda_loader") s.cuda_loader = value;
+    else if (name == "cuda_splits") s.cuda_splits = value;
+    else if (name == "cuda_sparse_kernel") s.cuda_sparse = static_cast<pkv_cuda_sparse_kernel>(value);
+    else if (name == "cuda_fp8_k_fragments") s.cuda_fp8_k_fragments = value;
+    else if (name == "cuda_prefill_rows32") s.cuda_prefill_rows32 = value;
+    else throw pybind11::value_error("pagedkv: no kernel setting named '" + name + "'");
+  }
+  pkv_error err{};
+  if (pkv_settings_set(&s, &err) != PKV_OK) throw pybind11::value_error(std::string("pagedkv: ") + err.message);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkv native library: registers torch.ops.pagedkv.*";
   m.def("set_checks", &pagedkv::set_checks_enabled, pybind11::arg("enabled"),
         "Check index values on the host before CUDA kernels run (always on for CPU).");
   m.def("checks_enabled", &pagedkv::checks_enabled);
+  m.def("kernel_settings", &kernel_settings, "The process-wide kernel settings (pkv_settings) as {field: int}.");
+  m.def("set_kernel_settings", &set_kernel_settings, pybind11::arg("changes"),
+        "Change the kernel settings named in {field: int}; an unknown field or a value out of range raises.");
   pkv_bind_page_manager(m);
 #ifdef PAGEDKV_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -15,22 +15,23 @@
 #include <utility>
 #include <vector>
 
+#include "../core/pkv_settings.h"
 #include "../cuda/pkv_cuda.h"
 #include "pkv_args.h"
 #include "pkv_cuda_shim.h"
 
 namespace pagedkv {
 
-namespace {
-std::atomic<int> g_cuda_loader{-1};
-}  // namespace
+static_assert(PKV_LOADER_COUNT == PKV_SETTINGS_LOADER_COUNT, "pkv_settings.h counts the CUDA loaders");
 
+// The forced loader: the core settings' `cuda_loader`.
 void set_cuda_loader(int loader) {
-  TORCH_CHECK(loader >= -1 && loader < PKV_LOADER_COUNT, "pagedkv: CUDA loader must be -1 (auto), 0 (cp.async), ",
-              "1 (tma-pages) or 2 (tma-gather4), got ", loader);
-  g_cuda_loader.store(loader);
+  pkv_settings s = pkv_settings_get();
+  s.cuda_loader = loader;
+  pkv_error err{};
+  TORCH_CHECK(pkv_settings_set(&s, &err) == PKV_OK, "pagedkv: ", err.message);
 }
-int cuda_loader() { return g_cuda_loader.load(); }
+int cuda_loader() { return pkv_settings_get().cuda_loader; }
 bool cuda_loader_available(int device, int loader) {
   if (loader < 0 || loader >= PKV_LOADER_COUNT) return false;
   return pkv_cuda_loader_available(device, static_cast<pkv_loader>(loader)) != 0;

@@ -3,17 +3,19 @@
 // (ops_cpu.cpp, ops_cuda.cpp, copy_pages.cpp) only register implementations.
 #include <torch/library.h>
 
+#include "../core/pkv_settings.h"
 #include "pkv_torch.h"
 
 namespace pagedkv {
 
-static bool g_checks = [] {
-  const char *env = std::getenv("PAGEDKV_CHECK");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}();
-
-bool checks_enabled() { return g_checks; }
-void set_checks_enabled(bool on) { g_checks = on; }
+// Host checks of CUDA index values: the core settings' `checks` (PAGEDKV_CHECK=1 its initial value).
+bool checks_enabled() { return pkv_settings_get().checks != 0; }
+void set_checks_enabled(bool on) {
+  pkv_settings s = pkv_settings_get();
+  s.checks = on ? 1 : 0;
+  pkv_error err{};
+  TORCH_CHECK(pkv_settings_set(&s, &err) == PKV_OK, "pagedkv: ", err.message);
+}
 
 }  // namespace pagedkv
 

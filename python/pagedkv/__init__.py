@@ -27,8 +27,10 @@ from .ops import (  # noqa: E402
     flash_attn_paged_sparse,
     merge_attn_states,
     paged_load,
+    kernel_options,
     paged_store,
     set_checks,
+    set_kernel_options,
 )
 from .cascade import cascade_attention  # noqa: E402
 
@@ -44,6 +46,8 @@ __all__ = [
     "cascade_attention",
     "set_checks",
     "checks_enabled",
+    "set_kernel_options",
+    "kernel_options",
     "reference",
     "host_alloc",
     "PagedKVCacheCollection",

@@ -174,4 +174,6 @@ def build_info() -> dict:
         # AVX512_VBMI byte lookups: FP8 rows widened to bf16 in registers for the bf16 dot products
         "cpu_fp8_byte_lookups": bool(library.pkv_cpu_has_vbmi()),
         "PAGEDKV_CPU_ISA": os.environ.get("PAGEDKV_CPU_ISA"),
+        # pagedkv.kernel_options(): the process-wide options (host checks, forced paths, opt-ins)
+        "kernel_options": importlib.import_module(".ops", __package__).kernel_options(),
     }

@@ -24,6 +24,8 @@ __all__ = [
     "flash_attn_paged_sparse",
     "set_checks",
     "checks_enabled",
+    "set_kernel_options",
+    "kernel_options",
 ]
 
 
@@ -206,6 +208,65 @@ def set_checks(enabled: bool) -> None:
 
 def checks_enabled() -> bool:
     return bool(_C.checks_enabled())
+
+
+# Kernel options (the core's pkv_settings, csrc/core/pkv_settings.h): name -> its values by name (the
+# int the core stores is the position; cuda_loader's start at -1), or bool / int.
+# docs/install.md (Kernel options) lists them with their environment variables and defaults.
+_KERNEL_OPTIONS = {
+    "checks": bool,
+    "cpu_decode": ("auto", "packed", "fma"),
+    "cuda_loader": ("auto", "cp.async", "tma-pages", "tma-gather4"),
+    "cuda_splits": int,
+    "cuda_sparse_kernel": ("auto", "portable"),
+    "cuda_fp8_k_fragments": bool,
+    "cuda_prefill_rows32": bool,
+}
+_FIRST_CODE = {"cuda_loader": -1}
+
+
+def kernel_options() -> dict:
+    """The process-wide kernel options, by name (see `set_kernel_options`)."""
+    raw = _C.kernel_settings()
+    options = {}
+    for name, kind in _KERNEL_OPTIONS.items():
+        value = raw[name]
+        options[name] = kind[value - _FIRST_CODE.get(name, 0)] if isinstance(kind, tuple) else kind(value)
+    return options
+
+
+def set_kernel_options(**options) -> dict:
+    """Change process-wide kernel options; returns the previous values of all of them, so
+    `set_kernel_options(**previous)` puts them back. A call made after this one uses the new values
+    (kernels read them once per call). Unknown names and bad values raise ValueError, nothing changed.
+
+    checks: check CUDA calls' index values on the host (a sync; CPU always checks). Initial value
+        from PAGEDKV_CHECK=1.
+    cpu_decode: "auto" (the fastest decode path an item fits), "packed" (the packed tiles for decode
+        too), "fma" (the direct decode on float32 FMAs where the bf16 dot products would run).
+    cuda_loader: "auto", "cp.async", "tma-pages" or "tma-gather4": the K/V loader forced on CUDA.
+    cuda_splits: 0 (the plan's rule) or n >= 1 split-KV CTAs forced on CUDA. Initial value from
+        PAGEDKV_CUDA_SPLITS=n.
+    cuda_sparse_kernel: "auto" or "portable" (flash_attn_paged_sparse's portable kernel always).
+    cuda_fp8_k_fragments, cuda_prefill_rows32: opt-in CUDA paths, compiled and not yet run on a GPU
+        (csrc/cuda/README.md).
+    """
+    previous = kernel_options()
+    changes = {}
+    for name, value in options.items():
+        kind = _KERNEL_OPTIONS.get(name)
+        if kind is None:
+            raise ValueError(f"pagedkv: no kernel option named {name!r} (options: {', '.join(_KERNEL_OPTIONS)})")
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ValueError(f"pagedkv: {name} must be one of {', '.join(map(repr, kind))}, got {value!r}")
+            changes[name] = kind.index(value) + _FIRST_CODE.get(name, 0)
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"pagedkv: {name} must be {'True or False' if kind is bool else 'an int'}, got {value!r}")
+        else:
+            changes[name] = int(value)
+    _C.set_kernel_settings(changes)
+    return previous
 
 
 def _describe(x) -> str:

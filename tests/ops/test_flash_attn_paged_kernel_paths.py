@@ -156,13 +156,13 @@ def test_flash_attn_paged_cuda_each_loader_matches(loader, page_size, cache_dtyp
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_one_split_many_tiles(monkeypatch, loader, page_size, head_dim, cache_dtype):
-    """PAGEDKV_CUDA_SPLITS=1: every CTA runs all its keys, >= 4 key tiles here (decode over 1000+ keys,
-    a causal prefill chunk of 70 rows after 300 keys), so the pipeline's buffer reuse, FP8 conversion
+def test_flash_attn_paged_cuda_one_split_many_tiles(loader, page_size, head_dim, cache_dtype):
+    """cuda_splits=1 (PAGEDKV_CUDA_SPLITS=1): every CTA runs all its keys, >= 4 key tiles here (decode over
+    1000+ keys, a causal prefill chunk of 70 rows after 300 keys), so the pipeline's buffer reuse, FP8 conversion
     buffers and barrier parity flips run, with every loader that fits."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", "1")
+    pagedkv.set_kernel_options(cuda_splits=1)
     _C.set_cuda_loader(loader)
     try:
         attend("cuda", [(1100, 1), (300, 70), (777, 1)], page_size=page_size, head_dim=head_dim,
@@ -176,51 +176,38 @@ def test_flash_attn_paged_cuda_one_split_many_tiles(monkeypatch, loader, page_si
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("q_dtype", Q16_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
-def test_flash_attn_paged_cuda_fp8_fast_convert(monkeypatch, page_size, head_dim, q_dtype, cache_dtype):
-    """FP8 tiles with one scale per row convert through the statically shaped, hardware-cvt path (the
-    default; PAGEDKV_CUDA_FP8_FAST_CONVERT=0 runs the generic conversion): decode rows (the key split), a
-    prefill chunk and rows of many tiles against the reference, and bit for bit the generic output."""
+def test_flash_attn_paged_cuda_fp8_row_scales(page_size, head_dim, q_dtype, cache_dtype):
+    """FP8 tiles with one scale per row convert through the statically shaped, hardware-cvt path (scales
+    staged a tile ahead): decode rows (the key split), a prefill chunk and rows of many tiles against the
+    reference; the same rows with scale groups of 32 (the generic conversion) as well."""
     rows = [(1100, 1), (300, 70), (0, 1), (37, 1)]
-    case = dict(page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8,
-                quant_group=head_dim, seed=("fast convert", page_size, head_dim, str(q_dtype), str(cache_dtype)))
-    monkeypatch.setenv("PAGEDKV_CUDA_FP8_FAST_CONVERT", "1")
-    fast = attend("cuda", rows, **case)
-    monkeypatch.setenv("PAGEDKV_CUDA_FP8_FAST_CONVERT", "0")
-    default = attend("cuda", rows, **case)
-    assert torch.equal(fast, default)
+    for group in (head_dim, 32):
+        attend("cuda", rows, page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype,
+               q_heads=8, quant_group=group, seed=("fp8 row scales", page_size, head_dim, group, str(q_dtype),
+                                                    str(cache_dtype)))
 
 
-OPT_IN_SWITCHES = ("PAGEDKV_CUDA_DECODE_WARP_SYNC", "PAGEDKV_CUDA_FP8_K_FRAGMENTS", "PAGEDKV_CUDA_SPREAD_ISSUE",
-                   "PAGEDKV_CUDA_ROWS_AHEAD", "PAGEDKV_CUDA_PREFILL_ROWS32")
-# those that keep the default's arithmetic, so its output bit for bit
-EXACT_OPT_INS = ("PAGEDKV_CUDA_DECODE_WARP_SYNC", "PAGEDKV_CUDA_SPREAD_ISSUE", "PAGEDKV_CUDA_ROWS_AHEAD")
-# the CUDA settings the opt-in paths depend on, at their defaults (an outer environment may have turned one off)
-PATH_SETTINGS = ("PAGEDKV_CUDA_KEY_SPLIT", "PAGEDKV_CUDA_FP8_SCALE_AHEAD", "PAGEDKV_CUDA_FP8_FAST_CONVERT")
+# The opt-in paths' kernel options (pagedkv.set_kernel_options), compiled and not yet run on a GPU
+OPT_INS = ("cuda_fp8_k_fragments", "cuda_prefill_rows32")
 
 
-def set_switches(monkeypatch, on):
-    """Every opt-in switch off except those in `on`; the settings they depend on at their defaults."""
-    for name in PATH_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    for name in OPT_IN_SWITCHES:
-        monkeypatch.setenv(name, "1" if name in on else "0")
+def set_opt_ins(on):
+    """Every opt-in path off except those in `on` (the cuda_knobs fixture puts the options back)."""
+    pagedkv.set_kernel_options(**{name: name in on for name in OPT_INS})
 
 
-def attend_switched(monkeypatch, switches, rows, splits_windows, expect="same", **case):
-    """For each (splits, window) of splits_windows (splits "auto": the plan's own count): attend on CUDA with
-    the environment switches `switches` (a name or a tuple of names) on, against the reference, and with
-    them off: expect "same" requires the same output bit for bit, "different" a different output in at
-    least one case (a path that rounds otherwise must have run), None only the reference. Skips where the
-    forced loader does not fit the page size."""
-    switches = (switches,) if isinstance(switches, str) else tuple(switches)
+def attend_switched(options, rows, splits_windows, expect="same", **case):
+    """For each (splits, window) of splits_windows (splits 0: the plan's own count): attend on CUDA with
+    the opt-in paths `options` (a name or a tuple of names) on, against the reference, and with them off:
+    expect "same" requires the same output bit for bit, "different" a different output in at least one
+    case (a path that rounds otherwise must have run), None only the reference. Skips where the forced
+    loader does not fit the page size."""
+    options = (options,) if isinstance(options, str) else tuple(options)
     differs = False
     for splits, window in splits_windows:
-        if splits == "auto":
-            monkeypatch.delenv("PAGEDKV_CUDA_SPLITS", raising=False)
-        else:
-            monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
-        seed = (*switches, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
-        set_switches(monkeypatch, switches)
+        pagedkv.set_kernel_options(cuda_splits=splits)
+        seed = (*options, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
+        set_opt_ins(options)
         try:
             on = attend("cuda", rows, window_left=window, seed=seed, **case)
         except RuntimeError as e:  # this page size does not fit the TMA loader
@@ -228,31 +215,13 @@ def attend_switched(monkeypatch, switches, rows, splits_windows, expect="same", 
             pytest.skip("the forced loader does not fit this page size")
         if expect is None:
             continue
-        set_switches(monkeypatch, ())
+        set_opt_ins(())
         off = attend("cuda", rows, window_left=window, seed=seed, **case)
         if expect == "same":
-            assert torch.equal(on, off), f"{switches}: splits {splits}, window {window}"
+            assert torch.equal(on, off), f"{options}: splits {splits}, window {window}"
         differs = differs or not torch.equal(on, off)
     if expect == "different":
-        assert differs, f"{switches} gave the default's output bit for bit in every case: did its path run?"
-
-
-@CUDA_ONLY
-@pytest.mark.parametrize("loader", LOADERS)
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=dtype_name)
-def test_flash_attn_paged_cuda_decode_warp_sync(monkeypatch, loader, page_size, head_dim, cache_dtype):
-    """PAGEDKV_CUDA_DECODE_WARP_SYNC=1 (opt-in: in a decode key split each warp readies its own keys, its
-    FP8 conversion or its masked rows' zeroing, and waits at a warp barrier instead of the block's): decode
-    rows with page tails, a window that hides the head of a tile, split-KV and one split, against the
-    reference and bit for bit the default's output."""
-    if loader not in available_loaders():
-        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    _C.set_cuda_loader(loader)
-    attend_switched(monkeypatch, "PAGEDKV_CUDA_DECODE_WARP_SYNC", [(1100, 1), (0, 1), (37, 1), (300, 1)],
-                    (("auto", -1), ("1", -1), ("1", 23)), page_size=page_size, head_dim=head_dim,
-                    cache_dtype=cache_dtype, q_heads=8, quant_group=head_dim)
+        assert differs, f"{options} gave the default's output bit for bit in every case: did its path run?"
 
 
 @CUDA_ONLY
@@ -261,8 +230,8 @@ def test_flash_attn_paged_cuda_decode_warp_sync(monkeypatch, loader, page_size, 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("q_dtype", Q16_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
-def test_flash_attn_paged_cuda_fp8_k_fragments(monkeypatch, loader, page_size, head_dim, q_dtype, cache_dtype):
-    """PAGEDKV_CUDA_FP8_K_FRAGMENTS=1 (opt-in: in a decode key split each warp builds its K operands from the
+def test_flash_attn_paged_cuda_fp8_k_fragments(loader, page_size, head_dim, q_dtype, cache_dtype):
+    """cuda_fp8_k_fragments=True (opt-in: in a decode key split each warp builds its K operands from the
     raw FP8 tile, unscaled, and multiplies each key's scores by its scale; only V is converted): decode rows
     with page tails, a window that hides the head of a tile, split-KV and one split, sharp softmaxes
     (queries x 3), against the reference. Not bit for bit the default: K is rounded to 16 bits before its
@@ -270,46 +239,10 @@ def test_flash_attn_paged_cuda_fp8_k_fragments(monkeypatch, loader, page_size, h
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
-    attend_switched(monkeypatch, "PAGEDKV_CUDA_FP8_K_FRAGMENTS", [(1100, 1), (0, 1), (37, 1), (300, 1)],
-                    (("auto", -1), ("1", -1), ("1", 23)), expect="different", page_size=page_size,
+    attend_switched("cuda_fp8_k_fragments", [(1100, 1), (0, 1), (37, 1), (300, 1)],
+                    ((0, -1), (1, -1), (1, 23)), expect="different", page_size=page_size,
                     head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8, quant_group=head_dim,
                     q_scale=3.0)
-
-
-@CUDA_ONLY
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_spread_issue(monkeypatch, page_size, head_dim, cache_dtype):
-    """PAGEDKV_CUDA_SPREAD_ISSUE=1 (opt-in, tma-pages: each warp's lane 0 arrives on the tile's barrier with
-    its own bytes and issues the boxes that start in its quarter of the tile's rows, instead of tid 0 issuing
-    them all): decode rows (the key split) and a prefill chunk over many tiles in one split, with and without
-    a window that hides the head of a tile, bit for bit the default's output, and the reference."""
-    if 1 not in available_loaders():
-        pytest.skip("tma-pages is not available on this device")
-    _C.set_cuda_loader(1)
-    attend_switched(monkeypatch, "PAGEDKV_CUDA_SPREAD_ISSUE", [(1100, 1), (300, 70), (777, 1), (20, 3)],
-                    (("1", -1), ("1", 23)), page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype,
-                    q_heads=8)
-
-
-@CUDA_ONLY
-@pytest.mark.parametrize("loader", LOADERS)
-@pytest.mark.parametrize("page_size", [1, 3, 16, 64, 100])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_dim, cache_dtype):
-    """PAGEDKV_CUDA_ROWS_AHEAD=1 (opt-in: each tile's page-table entries read a tile early into registers and
-    the keys followed from tile to tile without divisions, page sizes that divide the 64-key tile and ones
-    that do not): decode and prefill rows over many tiles in one split and split-KV (3 splits: several tiles
-    in splits that start past the row's first tile), windows that hide the head of a tile or of a split,
-    rows that end inside a page: bit for bit the default's output, and the reference."""
-    if loader not in available_loaders():
-        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    _C.set_cuda_loader(loader)
-    attend_switched(monkeypatch, "PAGEDKV_CUDA_ROWS_AHEAD", [(1100, 1), (300, 70), (0, 1), (777, 1), (20, 3)],
-                    (("1", -1), ("1", 23), ("auto", -1), ("3", -1), ("3", 200)), page_size=page_size,
-                    head_dim=head_dim, cache_dtype=cache_dtype, q_heads=8)
 
 
 @CUDA_ONLY
@@ -319,32 +252,31 @@ def test_flash_attn_paged_cuda_rows_ahead(monkeypatch, loader, page_size, head_d
                                              (128, torch.float16), (256, torch.bfloat16)],
                          ids=lambda x: dtype_name(x) if isinstance(x, torch.dtype) else str(x))
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_attn_paged_cuda_prefill_rows32(monkeypatch, loader, page_size, head_dim, dtype, causal):
-    """PAGEDKV_CUDA_PREFILL_ROWS32=1 (opt-in: 128-row query tiles, two 16-row m-blocks per warp sharing each
+def test_flash_attn_paged_cuda_prefill_rows32(loader, page_size, head_dim, dtype, causal):
+    """cuda_prefill_rows32=True (opt-in: 128-row query tiles, two 16-row m-blocks per warp sharing each
     K/V fragment, a tile's keys in two softmax steps) on prefill-like batches (>= 128 packed rows per batch row),
     with a decode row and a short chunk among them (warp 0 alone, rows past the tile's end), page tails, one
     split, split-KV and windows: against the reference, and not bit for bit the default (its softmax steps
     round otherwise, so an equal output would mean the path did not run). Head size 256 keeps the 64-row
-    tiles (the switch leaves it alone): the default's output bit for bit."""
+    tiles (the option leaves it alone): the default's output bit for bit."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     rows = [(300, 70), (0, 200), (777, 1), (5, 130), (64, 3)]  # 404 x 4 packed rows >= 128 per batch row
-    attend_switched(monkeypatch, "PAGEDKV_CUDA_PREFILL_ROWS32", rows,
-                    (("auto", -1), ("1", -1), ("3", -1), ("1", 23), ("3", 100)),
+    attend_switched("cuda_prefill_rows32", rows, ((0, -1), (1, -1), (3, -1), (1, 23), (3, 100)),
                     expect="same" if head_dim == 256 else "different", page_size=page_size, head_dim=head_dim,
                     cache_dtype=dtype, q_dtype=dtype, q_heads=8, causal=causal)
 
 
 @CUDA_ONLY
 @pytest.mark.parametrize("step", [1.0, 4.0, 100.0, 300.0])
-def test_flash_attn_paged_cuda_prefill_rows32_rising_scores(monkeypatch, step):
-    """PAGEDKV_CUDA_PREFILL_ROWS32=1 keeps each row's running maximum until a half tile's maximum passes it by
+def test_flash_attn_paged_cuda_prefill_rows32_rising_scores(step):
+    """cuda_prefill_rows32=True keeps each row's running maximum until a half tile's maximum passes it by
     more than 8 (log2 units) and rescales O only when a row of the warp moved it: scores rising by `step` per
     64 keys (conftest.rising_scores, a 300-token chunk and a decode token over 300 cached keys: 128-row tiles)
     move it by less than that (1, 4) or by far more (100, 300: every rescale factor below 2^-126), bf16
     queries, against the float64 reference."""
-    set_switches(monkeypatch, ("PAGEDKV_CUDA_PREFILL_ROWS32",))
+    set_opt_ins(("cuda_prefill_rows32",))
     args = rising_scores(torch.bfloat16, step, "cuda", new=(300, 1))
     out = pagedkv.flash_attn_paged(*args)
     cpu_args = [t.cpu() for t in args]
@@ -357,39 +289,34 @@ def test_flash_attn_paged_cuda_prefill_rows32_rising_scores(monkeypatch, step):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_opt_in_paths_together(monkeypatch, loader, page_size, head_dim, cache_dtype):
-    """The opt-in paths that keep the default's arithmetic (warp barrier, spread TMA issue, rows ahead) all on
-    at once, as they would be made defaults together: bit for bit the default's output; then with the FP8 K
-    fragments and the 128-row prefill tiles as well, against the reference. Decode and prefill rows, split-KV
-    and one split, a window."""
+def test_flash_attn_paged_cuda_opt_in_paths_together(loader, page_size, head_dim, cache_dtype):
+    """Both opt-in paths on at once (the FP8 K fragments for decode rows, the 128-row tiles for a prefill-like
+    call of 16-bit caches), against the reference: decode and prefill rows, split-KV and one split, a window."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     rows, case = [(1100, 1), (300, 70), (0, 1), (37, 1)], dict(page_size=page_size, head_dim=head_dim,
                                                                cache_dtype=cache_dtype, q_heads=8)
-    splits_windows = (("auto", -1), ("1", -1), ("3", 23))
-    attend_switched(monkeypatch, EXACT_OPT_INS, rows, splits_windows, **case)
-    attend_switched(monkeypatch, OPT_IN_SWITCHES, rows, splits_windows, expect=None, **case)
+    attend_switched(OPT_INS, rows, ((0, -1), (1, -1), (3, 23)), expect=None, **case)
 
 
 @CUDA_ONLY
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("splits", ["auto", "1"])
+@pytest.mark.parametrize("splits", [0, 1])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-@pytest.mark.parametrize("switch", [None, *OPT_IN_SWITCHES, "all"], ids=lambda s: str(s).replace("PAGEDKV_CUDA_", ""))
-def test_flash_attn_paged_cuda_nan_before_every_window(monkeypatch, loader, page_size, splits, cache_dtype, switch):
+@pytest.mark.parametrize("option", [None, *OPT_INS, "all"], ids=str)
+def test_flash_attn_paged_cuda_nan_before_every_window(loader, page_size, splits, cache_dtype, option):
     """Sliding window, with NaN keys, values and scales in every slot that no query of its row can see
     (a recycled page), whole pages and the head of a page: the kernels mask keys before a tile's first
     window key like keys past the end (zeroed, never scored), so no 0 * NaN reaches P V, and a TMA box
     that starts on such a key still loads the visible keys after it. Each loader, with and without
-    split-KV, the default paths and each opt-in path (a warp zeroing its own hidden rows, K operands from
-    the raw FP8 tile, ...) and all of them at once; finite output equal to the reference."""
+    split-KV, the default paths and each opt-in path (K operands from the raw FP8 tile, 128-row query
+    tiles) and both at once; finite output equal to the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    set_switches(monkeypatch, OPT_IN_SWITCHES if switch == "all" else (switch,) if switch else ())
-    if splits != "auto":
-        monkeypatch.setenv("PAGEDKV_CUDA_SPLITS", splits)
+    set_opt_ins(OPT_INS if option == "all" else (option,) if option else ())
+    pagedkv.set_kernel_options(cuda_splits=splits)
     _C.set_cuda_loader(loader)
     rows, window = [(300, 1), (100, 30), (1100, 1), (20, 2)], 23
     gen = generator(seed_from("nan before window", loader, page_size, splits, str(cache_dtype)))

@@ -2,8 +2,9 @@
 
 The tiled kernel (one CTA per query row and KV head, listed K/V rows staged in shared memory) with
 each of its loaders, forced as for flash_attn_paged (`_C.set_cuda_loader`; `_C.cuda_loader_available`
-says what the device runs): cp.async (0) and TMA gather4 (2, sm_100a). `PAGEDKV_CUDA_SPARSE_KERNEL=
-portable` forces the portable fallback kernel, so both kernels meet on the same arguments.
+says what the device runs): cp.async (0) and TMA gather4 (2, sm_100a). The kernel option
+cuda_sparse_kernel="portable" (`pagedkv.set_kernel_options`) forces the portable fallback kernel, so both
+kernels meet on the same arguments.
 
 Grid: bf16/fp16/e4m3/e5m2 caches, GQA 4 (and 1, 3, 16, 20: more than one CTA per row and KV head),
 one list per KV head or one shared list, -1 entries, out-of-range entries with checks off (never
@@ -217,7 +218,7 @@ def test_sparse_cuda_float32_queries_keep_float32_accuracy(cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_KINDS, ids=dtype_name)
-def test_sparse_cuda_tiled_and_portable_kernels_agree(monkeypatch, cache_dtype):
+def test_sparse_cuda_tiled_and_portable_kernels_agree(cache_dtype):
     gen = generator(seed_from("sparse-kernels", str(cache_dtype)))
     pages, p = 20, 16
     kv = pool(gen, page_size=p, num_kv_heads=2, head_dim=128, dtype=cache_dtype, num_pages=pages)
@@ -225,7 +226,7 @@ def test_sparse_cuda_tiled_and_portable_kernels_agree(monkeypatch, cache_dtype):
     ix = listed_tokens(gen, 5, 2, 90, pages * p).cuda()
     args = (q, kv.k_cache, kv.v_cache, ix, None, kv.k_scales, kv.v_scales, 32, 3.0)
     tiled = pagedkv.flash_attn_paged_sparse(*args)
-    monkeypatch.setenv("PAGEDKV_CUDA_SPARSE_KERNEL", "portable")
+    pagedkv.set_kernel_options(cuda_sparse_kernel="portable")
     portable = pagedkv.flash_attn_paged_sparse(*args)
     assert_attention_close(tiled, portable.double(), torch.bfloat16, "tiled vs portable")
 
