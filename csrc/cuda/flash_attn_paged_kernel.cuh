@@ -10,6 +10,45 @@
 namespace pkv {
 namespace {
 
+// Keys that some rows of a CTA's query tile see and others do not (the causal diagonal, the window
+// edge) go through P V with probability 0 for the others, and 0 * NaN is NaN. attn_body calls this for
+// the K/V tiles that hold such keys (block-uniform): their V rows (the 16-bit image the MMAs read, after
+// any FP8 conversion and scales) are checked by a block vote; where one holds NaN or inf (rare), the
+// values are zeroed once every thread has found its rows that see one. Returns bit 2 * mb + i for this
+// thread's rows (attn_body's r0 / r1 of m-block mb) that see a non-finite value: their sums become NaN,
+// so their outputs are NaN. Not inlined: it keeps its registers out of the tile loop's.
+template <typename T, int D, int kMB, int BN, bool kFence>
+__device__ __noinline__ int masked_mixed_nonfinite(const AttnParams &p, uint8_t *vtile, int64_t tile_key0,
+                                                  int64_t cached, int64_t total, int64_t tile_first, int tile_rows,
+                                                  bool key_split, bool warp_ready) {
+  constexpr int kUnits = D / 8;
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_first, &hi_first);
+  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &lo_last,
+                   &hi_last);
+  if (warp_ready) __syncthreads();  // every warp's rows, not only its own
+  const bool any = rows_nonfinite<T, BN, kAttnThreads>(vtile, kUnits, tile_key0, lo_first, lo_last, hi_first, hi_last,
+                                                       false);
+  if (!__syncthreads_or(any)) return 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int poisoned = 0;
+  for (int mb = 0; mb < kMB; mb++)
+    for (int i = 0; i < 2; i++) {  // this thread's rows, as attn_body numbers them: every key of the tile they see
+      const int r = (key_split ? 0 : (warp * kMB + mb) * 16) + (lane >> 2) + 8 * i;
+      if (r >= tile_rows) continue;
+      int64_t lo, hi;
+      pkv_visible_keys(cached + (tile_first + r) / p.group, total, p.causal, p.window_left, &lo, &hi);
+      for (int k = 0; k < BN; k++)
+        if (tile_key0 + k >= lo && tile_key0 + k < hi && row_nonfinite<T, BN>(vtile, kUnits, k))
+          poisoned |= 1 << (2 * mb + i);
+    }
+  __syncthreads();  // every row checked before the values go
+  rows_nonfinite<T, BN, kAttnThreads>(vtile, kUnits, tile_key0, lo_first, lo_last, hi_first, hi_last, true);
+  if constexpr (kFence) fence_proxy_async_smem();  // a TMA-loaded stage: the next loads write it again
+  __syncthreads();
+  return poisoned;
+}
+
 template <int D, typename T, bool kFp8, int kLoader, int kBM>
 __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
                                           uint8_t *smem) {
@@ -37,9 +76,9 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   const int64_t tile_first = tile * BM;
   const int tile_rows = static_cast<int>(packed_total - tile_first < BM ? packed_total - tile_first : BM);
   // keys any row of the tile may see: lo of its first row, hi of its last
-  int64_t lo_tile, hi_tile, unused;
-  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_tile, &unused);
-  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &unused,
+  int64_t lo_tile, hi_tile, hi_first, lo_last;
+  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_tile, &hi_first);
+  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &lo_last,
                    &hi_tile);
   const int64_t kt_begin = lo_tile / BN;
   const int64_t kt_end = hi_tile > lo_tile ? (hi_tile + BN - 1) / BN : kt_begin;
@@ -48,6 +87,14 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   int64_t my_end = my_begin + per_split;
   my_end = my_end < kt_end ? my_end : kt_end;
   const int n_tiles = my_end > my_begin ? static_cast<int>(my_end - my_begin) : 0;
+  // the iterations whose K/V tile holds keys that some rows of the tile see and others do not, [lo_tile,
+  // lo_last) and [hi_first, hi_tile): [mixed_a0, mixed_a1] and [mixed_b0, mixed_b1] (empty: a1 < a0)
+  auto tile_of = [&](int64_t key) {
+    const int64_t t = key / BN - my_begin;
+    return static_cast<int>(t < -1 ? -1 : t > n_tiles ? n_tiles : t);
+  };
+  const int mixed_a0 = tile_of(lo_tile), mixed_a1 = lo_last > lo_tile ? tile_of(lo_last - 1) : mixed_a0 - 1;
+  const int mixed_b0 = tile_of(hi_first), mixed_b1 = hi_tile > hi_first ? tile_of(hi_tile - 1) : mixed_b0 - 1;
 
   uint8_t *sq = smem;
   uint8_t *sraw = smem + L::kRawOffset;  // [stage][K, V]
@@ -316,6 +363,18 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       __syncwarp();  // this warp's rows are ready (Q and the tile rows were published by (A))
     else
       __syncthreads();  // (B): the tile (and Q) is complete for every warp
+
+    // a tile holding mixed keys (masked_mixed_nonfinite): NaN sums for the rows that see a non-finite V value
+    if ((it >= mixed_a0 && it <= mixed_a1) || (it >= mixed_b0 && it <= mixed_b1)) {
+      const int poisoned = masked_mixed_nonfinite<T, D, kMB, BN, !kFp8 && kLoader != PKV_LOADER_CP_ASYNC>(
+          p, const_cast<uint8_t *>(vs), (my_begin + it) * BN, cached, total, tile_first, tile_rows, key_split,
+          warp_ready);
+#pragma unroll
+      for (int mb = 0; mb < kMB; mb++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+          if (poisoned & (1 << (2 * mb + i))) row_sum[mb][i] = NAN;
+    }
 
     // S = Q K^T, softmax update and O += P V over NT 8-key column blocks of the tile from
     // column kcol0: the whole tile (BN / 8 blocks), or in a key split this warp's quarter

@@ -257,6 +257,47 @@ __device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *
   }
 }
 
+// 0xFFFF in each 16-bit half of w that holds NaN or inf (bf16 or f16: an exponent of all ones), else 0.
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
+  constexpr uint32_t e = dtype_of<T>() == PKV_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+  return ((w & e) == e ? 0x0000FFFFu : 0u) | (((w >> 16) & e) == e ? 0xFFFF0000u : 0u);
+}
+
+// The rows of a 16-bit tile image (kRows rows, units_per_row 16-byte units of data) for keys key0 + r
+// in [a0, a1) or [b0, b1), with `thread` of kThreads: true when one holds NaN or inf; with `zero`, those
+// values become 0.
+template <typename T, int kRows, int kThreads>
+__device__ __forceinline__ bool rows_nonfinite(uint8_t *tile, int units_per_row, int64_t key0, int64_t a0,
+                                               int64_t a1, int64_t b0, int64_t b1, bool zero,
+                                               int thread = threadIdx.x) {
+  bool bad = false;
+  for (int u = thread; u < kRows * units_per_row; u += kThreads) {
+    const int r = u / units_per_row, j = u - r * units_per_row;
+    const int64_t key = key0 + r;
+    if (!((key >= a0 && key < a1) || (key >= b0 && key < b1))) continue;
+    uint4 *unit = reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kRows));
+    const uint4 v = *unit;
+    const uint32_t m0 = nonfinite_halves<T>(v.x), m1 = nonfinite_halves<T>(v.y);
+    const uint32_t m2 = nonfinite_halves<T>(v.z), m3 = nonfinite_halves<T>(v.w);
+    if ((m0 | m1 | m2 | m3) == 0u) continue;
+    bad = true;
+    if (zero) *unit = make_uint4(v.x & ~m0, v.y & ~m1, v.z & ~m2, v.w & ~m3);
+  }
+  return bad;
+}
+
+// Whether row r of a 16-bit tile image of kRows rows holds NaN or inf in its units_per_row units.
+template <typename T, int kRows>
+__device__ __forceinline__ bool row_nonfinite(const uint8_t *tile, int units_per_row, int r) {
+  uint32_t any = 0;
+  for (int j = 0; j < units_per_row; j++) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(tile + tile_unit_offset(r, j, kRows));
+    any |= nonfinite_halves<T>(v.x) | nonfinite_halves<T>(v.y) | nonfinite_halves<T>(v.z) | nonfinite_halves<T>(v.w);
+  }
+  return any != 0u;
+}
+
 // ---- FP8 -> 16-bit tile, dequantized with the (token, head, group) scales ----
 // src: FP8 image (1-byte elements); dst: 16-bit image of the same rows.
 // Masked rows become zeros. group >= head_dim reads one scale per row: from row_scales[r] when the
