@@ -150,14 +150,6 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);  // 16-bit pairs stored as one word
   p.kv_aligned = pkv_cache_aligned(&p.k, kv_es, 16) && pkv_cache_aligned(&p.v, kv_es, 16);
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
-  // The key split, the FP8 scales staged a tile ahead and the fast FP8 conversion won their A/Bs on an
-  // H200 (2026-11-27) and are the code; warp_sync, spread_issue and rows_ahead were removed unrun
-  p.key_split = 1;
-  p.fp8_scale_ahead = 1;
-  p.fp8_fast_convert = 1;
-  p.warp_sync = 0;
-  p.spread_issue = 0;
-  p.rows_ahead = 0;
   // opt-in (the setting cuda_fp8_k_fragments, read with the plan; compiled, not yet run on a GPU)
   p.fp8_k_fragments = plan->fp8_k_fragments;
   p.partial_out = partial_out;

@@ -132,15 +132,14 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // quarter of each K/V tile's keys, with its own softmax state, and the warps' states are folded
   // together once at the end. Block-uniform. Needs >= 16 keys per warp (one PV k-step).
   constexpr int kWarps = kAttnThreads / kWarp;
-  // kMB 16-row m-blocks per warp: 1 (64-row tiles), or 2 (128-row tiles, PAGEDKV_CUDA_PREFILL_ROWS32: every
+  // kMB 16-row m-blocks per warp: 1 (64-row tiles), or 2 (128-row tiles, cuda_prefill_rows32: every
   // K/V fragment read from shared memory feeds two MMAs, and a tile's fixed costs serve twice the rows)
   constexpr int kMB = BM / (kWarps * 16);
   static_assert(kMB * kWarps * 16 == BM && (kMB == 1 || kMB == 2), "query tile rows");
   constexpr bool kKeySplitFits = kMB == 1 && BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
-  const bool key_split = kKeySplitFits && p.key_split && tile_rows <= 16;
+  const bool key_split = kKeySplitFits && tile_rows <= 16;
   // first packed row of m-block mb of this warp (key split: every warp takes rows 0-15)
   auto qrow0 = [&](int mb) { return key_split ? 0 : (warp * kMB + mb) * 16; };
-  const bool spread_issue = kLoader == PKV_LOADER_TMA_PAGES && p.spread_issue;  // block-uniform
 
   // ---- per-thread query rows of m-block mb: r0 = qrow0(mb) + lane/4 and r1 = r0 + 8 ----
   int64_t lo_r[kMB][2], hi_r[kMB][2];
@@ -170,32 +169,6 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     return fill_tile_row(srows + (it % 3) * BN, tid, (my_begin + it) * BN, lo_tile, total, p.table, b, page_size,
                          num_pages);
   };
-  // Rows ahead (p.rows_ahead): fill_rows reads the page table and divides 64-bit keys inside the block
-  // barrier (A), so every tile waits on a global load there. Instead thread t < BN follows its key from
-  // tile to tile with a cursor (page-table column and slot advance by BN / P and BN % P: one division
-  // per CTA) and loads the next tile's entry into a register right after (A), a whole tile before (A)
-  // publishes it. The same rows as fill_tile_row. Not for D 256, whose FP8 kernels would spill, nor with
-  // two m-blocks per warp (their registers are full).
-  const bool rows_ahead = D <= 128 && kMB == 1 && p.rows_ahead != 0;
-  int64_t ahead_key = 0;
-  int32_t ahead_col = 0, ahead_slot = 0, ahead_id = -1;  // a table column and a slot fit 32 bits
-  const int32_t col_step = static_cast<int32_t>(BN / page_size), slot_step = static_cast<int32_t>(BN % page_size);
-  auto ahead_load = [&]() {
-    ahead_id = tid < BN && ahead_key < total ? pkv_index_at2(&p.table, b, ahead_col) : -1;
-  };
-  auto ahead_next = [&]() {
-    ahead_key += BN;
-    ahead_col += col_step;
-    ahead_slot += slot_step;
-    if (ahead_slot >= page_size) {
-      ahead_slot -= page_size;
-      ahead_col++;
-    }
-  };
-  auto ahead_store = [&](int it) -> int {  // tile it's rows from the register (ahead_key is its key)
-    if (tid >= BN) return 0;
-    return set_tile_row(srows + (it % 3) * BN, tid, ahead_key, ahead_id, ahead_slot, lo_tile, total, num_pages);
-  };
   auto issue = [&](int it) {
     uint8_t *kt = sraw + (it & 1) * 2 * L::kRawTileBytes, *vt = kt + L::kRawTileBytes;
     const TileRows *rows = srows + (it % 3) * BN;
@@ -203,18 +176,6 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       load_tile_cp_async<BN, kAttnThreads>(kt, p.k, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
       load_tile_cp_async<BN, kAttnThreads>(vt, p.v, rows, kv_head, L::kRawUnits, L::kEs, p.kv_aligned);
       cp_async_commit();
-    } else if (kLoader == PKV_LOADER_TMA_PAGES && spread_issue) {
-      // each warp's lane 0 arrives (the barrier expects one arrival per warp here) with its own bytes,
-      // then issues its own boxes: a tile's 8-16 TMA operations at page 16 leave tid 0's critical path
-      if (lane == 0) {
-        uint64_t *bar = sbar + (it & 1);
-        const int row0 = warp * (BN / kWarps), row1 = row0 + BN / kWarps;
-        mbar_arrive_expect_tx(bar, 2 * count_tile_pages<BN>(rows, p.box_rows, L::kRawChunks, row0, row1));
-        issue_tile_pages<BN>(kt, kmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs, row0,
-                             row1);
-        issue_tile_pages<BN>(vt, vmap, bar, rows, static_cast<int>(kv_head), p.box_rows, L::kRawChunks, L::kEs, row0,
-                             row1);
-      }
     } else if (tid == 0) {
       uint64_t *bar = sbar + (it & 1);
       if constexpr (kLoader == PKV_LOADER_TMA_PAGES) {
@@ -235,17 +196,13 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // registers right after publishing the tile's rows, and stores them to shared memory at the top
   // of the next iteration, so the global loads' latency hides behind a tile of compute instead of
   // stalling the conversion
-  const bool scale_ahead = kFp8 && p.fp8_scale_ahead && p.quant_group >= D;
-  // In a key split each warp reads only its own quarter of a tile's keys, so where it can make those
-  // rows ready itself (FP8: the fast conversion of its own rows; 16-bit with TMA: zeroing its own
-  // masked rows) the block barrier (B) before the math can be a warp barrier (p.warp_sync). 16-bit
-  // cp.async tiles still need (B): other threads' copies land in every warp's rows.
-  // FP8 K fragments (p.fp8_k_fragments, which implies warp_ready): a warp reads its K's MMA operands from
-  // the raw FP8 tile, two codes per 16-bit load and one hardware cvt per pair, exact and unscaled, and
-  // multiplies each key's scores by that key's scale afterwards; only V is converted (its own rows).
-  const bool k_fragments = kFp8 && key_split && scale_ahead && p.fp8_fast_convert && p.fp8_k_fragments;
-  const bool warp_ready = key_split && (p.warp_sync || k_fragments) &&
-                          (kFp8 ? scale_ahead && p.fp8_fast_convert : kLoader != PKV_LOADER_CP_ASYNC);
+  const bool scale_ahead = kFp8 && p.quant_group >= D;
+  // FP8 K fragments (opt-in p.fp8_k_fragments, a key split with one scale per row): a warp reads its K's
+  // MMA operands from the raw FP8 tile, two codes per 16-bit load and one hardware cvt per pair, exact and
+  // unscaled, and multiplies each key's scores by that key's scale afterwards; only V is converted, and only
+  // the warp's own quarter of the tile's rows (the keys it reads), so the block barrier (B) before the math
+  // is a warp barrier.
+  const bool k_fragments = kFp8 && key_split && scale_ahead && p.fp8_k_fragments;
   constexpr int kOwnRows = kKeySplitFits ? BN / kWarps : BN;
   const int own_row0 = warp * kOwnRows;
   float k_scale_next = 0.0f, v_scale_next = 0.0f;
@@ -265,8 +222,8 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     if (tid == 0) {
       prefetch_tensor_map(kmap);
       prefetch_tensor_map(vmap);
-      mbar_init(sbar, spread_issue ? kWarps : 1);
-      mbar_init(sbar + 1, spread_issue ? kWarps : 1);
+      mbar_init(sbar, 1);
+      mbar_init(sbar + 1, 1);
       fence_mbar_init();
     }
   }
@@ -276,12 +233,6 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     masked_next = __syncthreads_count(fill_rows(0));
     issue(0);
     load_scales(0);
-    if (rows_ahead && n_tiles > 1) {  // the cursor at tile 1
-      ahead_key = (my_begin + 1) * BN + tid;
-      ahead_col = static_cast<int32_t>(ahead_key / page_size);
-      ahead_slot = static_cast<int32_t>(ahead_key % page_size);
-      ahead_load();
-    }
   }
   for (int it = 0; it < n_tiles; it++) {
     const int masked_here = masked_next;
@@ -292,14 +243,10 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     }
     // (A): the next tile's rows are published and every thread is done with
     // the stage, tile rows and converted tiles that the next loads overwrite.
-    masked_next = __syncthreads_count(has_next ? (rows_ahead ? ahead_store(it + 1) : fill_rows(it + 1)) : 0);
+    masked_next = __syncthreads_count(has_next ? fill_rows(it + 1) : 0);
     if (has_next) {
       issue(it + 1);
       load_scales(it + 1);
-    }
-    if (rows_ahead && it + 2 < n_tiles) {  // tile it + 2's entries, in flight during this tile's math
-      ahead_next();
-      ahead_load();
     }
 
     const TileRows *rows = srows + (it % 3) * BN;
@@ -335,9 +282,9 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         else
           both(IntTag<0>{});
       };
-      if (warp_ready) {  // this warp's own rows (scale_ahead holds)
+      if (k_fragments) {  // this warp's own V rows
         convert_rows(IntTag<kOwnRows>{}, IntTag<kWarp>{}, own_row0, lane);
-      } else if (scale_ahead && p.fp8_fast_convert) {
+      } else if (scale_ahead) {
         convert_rows(IntTag<BN>{}, IntTag<kAttnThreads>{}, 0, tid);
       } else {
         convert_fp8_tile<T, BN, kAttnThreads>(sconv, kt, rows, p.k_scales, kv_head, D, p.quant_group, p.e4m3,
@@ -349,17 +296,12 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       vs = sconv + L::kConvTileBytes;
     } else if constexpr (kLoader != PKV_LOADER_CP_ASYNC) {
       if (masked_here > 0) {
-        if (warp_ready) {
-          zero_masked_rows<kOwnRows, kWarp, BN>(kt, rows, L::kRawUnits, own_row0, lane);
-          zero_masked_rows<kOwnRows, kWarp, BN>(vt, rows, L::kRawUnits, own_row0, lane);
-        } else {
-          zero_masked_rows<BN, kAttnThreads>(kt, rows, L::kRawUnits);
-          zero_masked_rows<BN, kAttnThreads>(vt, rows, L::kRawUnits);
-        }
+        zero_masked_rows<BN, kAttnThreads>(kt, rows, L::kRawUnits);
+        zero_masked_rows<BN, kAttnThreads>(vt, rows, L::kRawUnits);
         fence_proxy_async_smem();  // these bytes are TMA-written again two tiles later
       }
     }
-    if (warp_ready)
+    if (k_fragments)
       __syncwarp();  // this warp's rows are ready (Q and the tile rows were published by (A))
     else
       __syncthreads();  // (B): the tile (and Q) is complete for every warp
@@ -368,7 +310,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     if ((it >= mixed_a0 && it <= mixed_a1) || (it >= mixed_b0 && it <= mixed_b1)) {
       const int poisoned = masked_mixed_nonfinite<T, D, kMB, BN, !kFp8 && kLoader != PKV_LOADER_CP_ASYNC>(
           p, const_cast<uint8_t *>(vs), (my_begin + it) * BN, cached, total, tile_first, tile_rows, key_split,
-          warp_ready);
+          k_fragments);
 #pragma unroll
       for (int mb = 0; mb < kMB; mb++)
 #pragma unroll

@@ -11,7 +11,7 @@
 namespace pkv {
 namespace {
 
-constexpr int kAttnThreads = 128;  // 4 warps x 16 (PAGEDKV_CUDA_PREFILL_ROWS32: 32) packed query rows
+constexpr int kAttnThreads = 128;  // 4 warps x 16 (cuda_prefill_rows32: 32) packed query rows
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLazySlack = 8.0f;  // 128-row tiles: how far (log2) a row's maximum may rise before O is rescaled
 
@@ -58,13 +58,7 @@ struct AttnParams {
   int e4m3;
   int q_aligned, out_aligned, kv_aligned;
   int box_rows;
-  int key_split;       // tiles of <= 16 packed rows spread each K/V tile's keys over the 4 warps
-  int fp8_scale_ahead; // FP8, one scale per row: load a tile's scales one tile ahead
-  int fp8_fast_convert; // with scale_ahead: the statically shaped, hardware-cvt tile conversion
-  int warp_sync;       // key split: each warp readies its own keys, no block barrier (B) per tile
-  int fp8_k_fragments; // FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
-  int spread_issue;    // tma-pages: each warp's lane 0 issues the boxes of its quarter of a tile's rows
-  int rows_ahead;      // a tile's page-table entries read a tile early, keys followed without divisions
+  int fp8_k_fragments; // opt-in, FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator

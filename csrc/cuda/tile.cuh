@@ -182,26 +182,19 @@ __device__ __forceinline__ bool tile_box(const TileRows *rows, int s, int box_ro
     }
   return false;
 }
-// Both take the boxes that start in rows [row0, row1) (the whole tile by default; a quarter when each
-// warp issues its own).
-__device__ __forceinline__ int first_box_row(int row0, int box_rows) {
-  return (row0 + box_rows - 1) / box_rows * box_rows;
-}
 template <int kRows>
-__device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks, int row0 = 0,
-                                                     int row1 = kRows) {
+__device__ __forceinline__ uint32_t count_tile_pages(const TileRows *rows, int box_rows, int chunks) {
   uint32_t bytes = 0;
   TileRows box;
-  for (int s = first_box_row(row0, box_rows); s < row1; s += box_rows)
+  for (int s = 0; s < kRows; s += box_rows)
     if (tile_box(rows, s, box_rows, &box)) bytes += static_cast<uint32_t>(chunks * box_rows * kChunkBytes);
   return bytes;
 }
 template <int kRows>
 __device__ __forceinline__ void issue_tile_pages(uint8_t *tile, const CUtensorMap *map, uint64_t *bar,
-                                                 const TileRows *rows, int head, int box_rows, int chunks, int es,
-                                                 int row0 = 0, int row1 = kRows) {
+                                                 const TileRows *rows, int head, int box_rows, int chunks, int es) {
   const int cols_per_chunk = kChunkBytes / es;
-  for (int s = first_box_row(row0, box_rows); s < row1; s += box_rows) {
+  for (int s = 0; s < kRows; s += box_rows) {
     TileRows tr;
     if (!tile_box(rows, s, box_rows, &tr)) continue;
     for (int c = 0; c < chunks; c++)
@@ -244,16 +237,13 @@ __device__ __forceinline__ void issue_tile_gather4(uint8_t *tile, const CUtensor
   }
 }
 
-// Zero the units of masked rows (TMA paths load whole boxes / groups): rows [row0, row0 + kRows) of a
-// kTileRows-row tile by kThreads threads numbered `thread` (the whole tile by the block, or one warp's
-// own rows).
-template <int kRows, int kThreads, int kTileRows = kRows>
-__device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *rows, int units_per_row, int row0 = 0,
-                                                 int thread = threadIdx.x) {
-  for (int u = thread; u < kRows * units_per_row; u += kThreads) {
-    const int r = row0 + u / units_per_row, j = u % units_per_row;
+// Zero the units of masked rows (TMA paths load whole boxes / groups), by the block's kThreads threads.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void zero_masked_rows(uint8_t *tile, const TileRows *rows, int units_per_row) {
+  for (int u = threadIdx.x; u < kRows * units_per_row; u += kThreads) {
+    const int r = u / units_per_row, j = u % units_per_row;
     if (rows[r].page < 0)
-      *reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kTileRows)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4 *>(tile + tile_unit_offset(r, j, kRows)) = make_uint4(0, 0, 0, 0);
   }
 }
 
