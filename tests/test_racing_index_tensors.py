@@ -19,11 +19,15 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 SCRIPT = textwrap.dedent(
     r"""
     import sys, threading, time, torch, pagedkv
-    cache_dtype, seconds = getattr(torch, sys.argv[1]), float(sys.argv[2])
+    cache_dtype, seconds, device = getattr(torch, sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    torch.set_default_device(device)
+    # CUDA: the racer writes on its own stream, so its writes land while the op's kernels run
+    side = torch.cuda.Stream() if device == "cuda" else None
     torch.manual_seed(0)
     P, HK, D, B, L = 16, 2, 64, 3, 700
     pages = B * (L + 16) // P + 4
@@ -55,6 +59,8 @@ SCRIPT = textwrap.dedent(
         stop = False
 
         def racer():
+            if side is not None:
+                torch.cuda.set_stream(side)
             i = 0
             while not stop:
                 if i % 2:
@@ -93,17 +99,23 @@ SCRIPT = textwrap.dedent(
         finally:
             stop = True
             t.join()
+            if side is not None:
+                torch.cuda.synchronize()  # an access fault of any kernel surfaces here
             victim.copy_(valid)  # the next target starts from valid tensors
         print(f"{target}: {calls} calls, {refused} refused by their checks")
     """
 )
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_index_tensors_rewritten_during_calls_never_crash(cache_dtype):
-    """Each of the table, lengths, offsets and seq_lens raced for 1.5 s, in one subprocess per dtype."""
+def test_index_tensors_rewritten_during_calls_never_crash(cache_dtype, device):
+    """Each of the table, lengths, offsets and seq_lens raced for 1.5 s, in one subprocess per dtype
+    (CUDA: without host checks, so every call runs; the kernels mask what they read)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, cache_dtype, "1.5"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, cache_dtype, "1.5", device], capture_output=True, text=True,
                           timeout=240, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert proc.stdout.count(" calls,") == 4, proc.stdout

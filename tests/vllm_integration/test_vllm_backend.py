@@ -78,7 +78,7 @@ def run_generate(tmp_dir, pagedkv: bool, dtype: str, block_size: int, tensor_par
 
 @pytest.fixture(scope="session")
 def generate(tmp_path_factory):
-    """Runs each configuration once per session (each is a vLLM engine start)."""
+    """Runs each configuration once per test run (each is a vLLM engine start)."""
     results = {}
     tmp_dir = str(tmp_path_factory.mktemp("vllm_runs"))
 
