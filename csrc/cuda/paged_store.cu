@@ -64,6 +64,21 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
   return v;
 }
 
+// Elements [src, src + 16) of a source row quantized with `scale` into the 16 codes at dst (one 16-byte store).
+template <pkv_dtype kSrc, pkv_dtype kDst>
+__device__ __forceinline__ void quantize_chunk16(const void *data, int64_t src, float scale, uint8_t *dst) {
+  float v[8], w[8];
+  load8<kSrc>(data, src, v);
+  load8<kSrc>(data, src + 8, w);
+  uint8_t out[16];
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    out[k] = pkv_fp8_quantize(v[k], scale, kDst);
+    out[k + 8] = pkv_fp8_quantize(w[k], scale, kDst);
+  }
+  *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(out);
+}
+
 template <pkv_dtype kSrc, pkv_dtype kDst, bool kVec>
 __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t row, int64_t head,
                            uint32_t *chunk_max) {
@@ -85,16 +100,7 @@ __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t ro
       const float scale = __ldg(job.fixed_scale);
       if constexpr (kVec) {
         for (int64_t c = lane; c < d / 16; c += 32) {
-          float v[8], w[8];
-          load8<kSrc>(job.src.data, src + c * 16, v);
-          load8<kSrc>(job.src.data, src + c * 16 + 8, w);
-          uint8_t out[16];
-#pragma unroll
-          for (int k = 0; k < 8; k++) {
-            out[k] = pkv_fp8_quantize(v[k], scale, kDst);
-            out[k + 8] = pkv_fp8_quantize(w[k], scale, kDst);
-          }
-          *reinterpret_cast<uint4 *>(q + c * 16) = *reinterpret_cast<const uint4 *>(out);
+          quantize_chunk16<kSrc, kDst>(job.src.data, src + c * 16, scale, q + c * 16);
         }
       } else {
         for (int64_t i = lane; i < d; i += 32)
@@ -123,16 +129,7 @@ __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t ro
         uint32_t m = 0;
         for (int64_t k = first; k < first + chunks_per_group && k < chunks; k++) m = max(m, chunk_max[k]);
         const float scale = pkv_fp8_scale_for(__uint_as_float(m), kDst);
-        float v[8], w[8];
-        load8<kSrc>(job.src.data, src + c * 16, v);
-        load8<kSrc>(job.src.data, src + c * 16 + 8, w);
-        uint8_t out[16];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-          out[k] = pkv_fp8_quantize(v[k], scale, kDst);
-          out[k + 8] = pkv_fp8_quantize(w[k], scale, kDst);
-        }
-        *reinterpret_cast<uint4 *>(q + c * 16) = *reinterpret_cast<const uint4 *>(out);
+        quantize_chunk16<kSrc, kDst>(job.src.data, src + c * 16, scale, q + c * 16);
         if (c == first) scales[c * 16 / (g >= d ? d : g)] = scale;
       }
       __syncwarp();  // chunk_max is reused by this warp's next unit
