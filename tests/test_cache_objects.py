@@ -34,13 +34,13 @@ N, L, P, HK, D = 7, 3, 4, 2, 16
 def _reference_ops_module():
     """A stand-in for pagedkv.ops that runs the plain-torch reference."""
 
-    def paged_load(cache, lookup_table, seq_lens, scales=None, out_dtype=None, quant_group=128):
+    def paged_load(cache, lookup_table, seq_lens, scales=None, out_dtype=None, quant_group=128, *, kv_format=None):
         if out_dtype is None:
             out_dtype = torch.float32 if cache.dtype in FP8_DTYPES else cache.dtype
         offsets = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(seq_lens, 0)
         out = torch.empty((int(offsets[-1]), *cache.shape[2:]), dtype=out_dtype)
-        ref.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group)
+        ref.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group, kv_format)
         return out
 
     module = types.ModuleType("pagedkv.ops")

@@ -18,6 +18,7 @@ from .cache import (  # noqa: E402
     PagedKVCache,
     PagedKVCacheCollection,
     PagedKVCacheFA3Fallback,
+    PagedMLACache,
 )
 from .page_manager import OutOfPagesError, PageManager, copy_pages  # noqa: E402
 from .ops import (  # noqa: E402
@@ -54,6 +55,7 @@ __all__ = [
     "PagedKVCacheFA3Fallback",
     "PagedKVCache",
     "ContinuousBatchingKVCache",
+    "PagedMLACache",
     "KVCacheBatch",
     "PageManager",
     "OutOfPagesError",

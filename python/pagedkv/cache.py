@@ -9,11 +9,13 @@ Each cache class is a thin holder of torch tensors. It hands per-layer strided v
 | `PagedKVCacheFA3Fallback`   | blocks `[2|1, N, P, Hk, D]`, tables `[L, B, max_pages]` | `blocks[0]`        |
 | `PagedKVCache`              | one `[N, P, Hk, D]` pool per K/V and layer | `k_pools[layer]`                |
 | `ContinuousBatchingKVCache` | blocks `[slots, 2|1, L, max_len, Hk, D]`  | `blocks[:, 0, layer]` (P = max_len) |
+| `PagedMLACache`             | one uint8 `[N, P, 1, 656|640]` pool per layer (packed MLA rows) | `k_pools[layer]` |
 
 FP8 caches (float8_e4m3fn, float8_e5m2) carry float32 scales with the same leading shape and
 `ceil(D / quant_group)` as the last dimension, or with `per_tensor_scales=True` one float32 scale per
 layer and K/V (`tensor_scales [L, 2|1]`, ones until set, e.g. to calibrated `k_scale` / `v_scale`
-values): the ops' per-tensor form (CONTRACT v1.2), which paged_store only reads.
+values): the ops' per-tensor form (CONTRACT v1.2), which paged_store only reads. `PagedMLACache`
+holds DeepSeek MLA keys in the packed rows of a `kv_format` (CONTRACT v1.2, pagedkv.kv_formats).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from . import host_alloc
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, is_fp8, is_per_tensor_scale, num_scale_groups
+from .kv_formats import DS_MLA_GROUP, KEY_DIM, LATENT_DIM, packed_row
 
 __all__ = [
     "CACHE_DTYPES",
@@ -30,6 +33,7 @@ __all__ = [
     "PagedKVCacheFA3Fallback",
     "PagedKVCache",
     "ContinuousBatchingKVCache",
+    "PagedMLACache",
 ]
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
@@ -194,6 +198,7 @@ class _PagedCacheBase:
     dtype: torch.dtype
 
     tensor_scales: torch.Tensor | None = None  # float32 [L, 2|1]: per-tensor scales of (layer, K/V)
+    kv_format: str | None = None  # a packed row format (PagedMLACache), passed to every op
 
     def _init_geometry(self, num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales=False):
         self.num_layers = _check_positive_int("num_layers", num_layers)
@@ -261,6 +266,7 @@ class _PagedCacheBase:
             self.k_scales(layer),
             self.v_scales(layer),
             self.quant_group,
+            kv_format=self.kv_format,
         )
 
     def _value_views(self, layer: int, v_head_dim: int | None):
@@ -322,6 +328,7 @@ class _PagedCacheBase:
             window_left,
             softcap,
             sinks,
+            kv_format=self.kv_format,
         )
 
     def load(self, layer, lookup_table, seq_lens, *, which="k", out_dtype=None) -> torch.Tensor:
@@ -339,7 +346,7 @@ class _PagedCacheBase:
         else:
             raise ValueError(f"which must be 'k' or 'v', got {which!r}")
         if out_dtype is None:
-            out_dtype = torch.float32 if is_fp8(self.dtype) else self.dtype
+            out_dtype = torch.float32 if is_fp8(self.dtype) or self.kv_format is not None else self.dtype
         return _ops().paged_load(
             cache,
             self._table(layer, lookup_table),
@@ -347,6 +354,7 @@ class _PagedCacheBase:
             scales=scales,
             out_dtype=out_dtype,
             quant_group=self.quant_group,
+            kv_format=self.kv_format,
         )
 
 
@@ -572,3 +580,60 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slots[{b}] must be in [0, {self.num_slots}), got {slot}")
         return table.to(self.device)
+
+
+class PagedMLACache(_PagedCacheBase):
+    """DeepSeek MLA keys in packed FP8 rows (CONTRACT v1.2 `kv_format`): one uint8 pool
+    `[N, P, 1, row_bytes]` per layer, 656-byte rows for "fp8_ds_mla" (scales inside the rows) or
+    640-byte rows for "fp8_rope" with one float32 scale per layer (`tensor_scales [L, 1]`, ones until
+    set, e.g. to a calibrated value; paged_store only reads it).
+
+    `store` takes the logical key `[T, 1, 576]` (latent then rope) and no value; `attention` takes
+    `q [T, Hq, 576]` and returns `[T, Hq, 512]` (V is the latent); `load` gives the logical keys.
+    A page manager copies pages of every pool: `PageManager(num_pages, page_size, caches=cache.k_pools)`.
+    """
+
+    k_only = True
+    num_kv = 1
+    num_kv_heads = 1
+    head_dim = KEY_DIM
+    v_head_dim = LATENT_DIM
+    quant_group = DS_MLA_GROUP
+    dtype = torch.uint8
+
+    def __init__(self, num_pages, page_size, *, kv_format="fp8_ds_mla", num_layers=1, device="cpu"):
+        self.num_pages = _check_positive_int("num_pages", num_pages)
+        self.page_size = _check_positive_int("page_size", page_size)
+        self.num_layers = _check_positive_int("num_layers", num_layers)
+        layout = packed_row(kv_format)
+        if layout is None:
+            raise ValueError("kv_format must be 'fp8_ds_mla' or 'fp8_rope', got None")
+        self.kv_format = kv_format
+        self.per_tensor_scales = layout.per_tensor_scale
+        device = _check_device(device)
+        shape = (num_pages, page_size, 1, layout.row_bytes)
+        self.k_pools = [host_alloc.zeros(shape, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        self._init_tensor_scales(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pools[0].device
+
+    def k_cache(self, layer=0):
+        return self.k_pools[self._check_layer(layer)]
+
+    def v_cache(self, layer=0):
+        self._check_layer(layer)
+        return None
+
+    def k_scales(self, layer=0):
+        return self._tensor_scale(layer, 0)
+
+    def v_scales(self, layer=0):
+        self._check_layer(layer)
+        return None
+
+    def _value_views(self, layer, v_head_dim):
+        if v_head_dim not in (None, LATENT_DIM):
+            raise ValueError(f"v_head_dim of a {self.kv_format} cache is {LATENT_DIM}, got {v_head_dim}")
+        return None, None

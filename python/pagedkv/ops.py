@@ -3,6 +3,13 @@
 
 Shapes: B rows this step, T ragged token rows, Hq/Hk query/KV heads, D/Dv
 key/value head size, N pages of P tokens, G channels per FP8 scale.
+
+`kv_format` (CONTRACT v1.2, every op but merge_attn_states): None for a plain cache, or a packed
+MLA row in a uint8 cache `[N, P, 1, row_bytes]` with no v_cache (pagedkv.kv_formats):
+"fp8_ds_mla" (656-byte rows: e4m3 latent [0, 512), four float32 scales, one per 128 latent channels,
+[512, 528), 64 bfloat16 rope [528, 656); no k_scales) or "fp8_rope" (640-byte rows: e4m3 latent,
+64 bfloat16 rope; k_scales is the latent's one per-tensor scale). Logical key D = 576 =
+concat(latent * scale, rope), logical value Dv = 512 = the dequantized latent.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.pagedkv)
+from .kv_formats import KEY_DIM, KV_FORMATS, LATENT_DIM
 
 _ops = torch.ops.pagedkv
 
@@ -40,6 +48,8 @@ def paged_store(
     k_scales: Optional[torch.Tensor] = None,
     v_scales: Optional[torch.Tensor] = None,
     quant_group: int = 128,
+    *,
+    kv_format: Optional[str] = None,
 ) -> None:
     """Write this step's new K/V rows into their pages (in place).
 
@@ -50,10 +60,14 @@ def paged_store(
     float32 scales [N, P, Hk, ceil(D/G)]; each (token, head, group) gets scale amax / FP8_MAX.
     Or a per-tensor scale (one float32 element, shape [] or [1], finite and > 0): only read, the
     codes are fp8(clamp(x / s)). K and V choose independently.
+    kv_format "fp8_ds_mla" / "fp8_rope": key [T, 1, 576], value and v_cache None, k_cache the packed
+    uint8 rows; per 128 latent channels scale = amax / 448 written into the row (fp8_ds_mla) or the
+    per-tensor k_scales only read (fp8_rope); the rope rounded to bfloat16.
     Bad input raises RuntimeError naming the argument, with nothing written.
     """
     _ops.paged_store(
-        key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, quant_group
+        key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, quant_group,
+        kv_format,
     )
 
 
@@ -64,6 +78,8 @@ def paged_load(
     scales: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     quant_group: int = 128,
+    *,
+    kv_format: Optional[str] = None,
 ) -> torch.Tensor:
     """Gather tokens [0, seq_lens[b]) of every row into a new [sum(seq_lens), Hk, D] tensor.
 
@@ -71,13 +87,17 @@ def paged_load(
     dequantized with scales [N, P, Hk, ceil(D/G)] or one per-tensor scale ([] or [1]). out_dtype
     defaults to the cache dtype, or float32 for FP8 caches. Reads the total length on the host (a
     sync on CUDA); use torch.ops.pagedkv.paged_load with a preallocated out inside CUDA graphs.
+    A packed cache (kv_format, uint8 rows [N, P, 1, 656 or 640]) gives the logical keys
+    [sum(seq_lens), 1, 576] (float32 by default); fp8_rope's per-tensor scale is `scales`.
     """
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise TypeError(f"paged_load: cache must be a 4-D [N, P, Hk, D] tensor, got {_describe(cache)}")
+    packed = kv_format in KV_FORMATS
     if out_dtype is None:
-        out_dtype = torch.float32 if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache.dtype
+        fp8 = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        out_dtype = torch.float32 if fp8 or packed else cache.dtype
     # The output is sized from seq_lens, so they are validated before allocating (one host sync).
     offsets = torch.zeros(seq_lens.numel() + 1, dtype=torch.int64, device=seq_lens.device)
     torch.cumsum(seq_lens, 0, dtype=torch.int64, out=offsets[1:])
@@ -97,8 +117,10 @@ def paged_load(
     if total > 2**31 - 1:
         raise ValueError(f"paged_load: sum(seq_lens) must fit int32 row offsets, got {total}")
     offsets = offsets.to(torch.int32)
-    out = torch.empty((total, cache.size(-2), cache.size(-1)), dtype=out_dtype, device=cache.device)
-    _ops.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group)
+    # An unknown kv_format gets the plain shape: the op rejects it, naming kv_format.
+    out = torch.empty((total, cache.size(-2), KEY_DIM if packed else cache.size(-1)), dtype=out_dtype,
+                      device=cache.device)
+    _ops.paged_load(cache, scales, lookup_table, seq_lens, offsets, out, quant_group, kv_format)
     return out
 
 
@@ -106,7 +128,7 @@ def flash_attn_paged(
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     cache_lengths: torch.Tensor,
     lookup_table: torch.Tensor,
     scale: Optional[float] = None,
@@ -118,6 +140,7 @@ def flash_attn_paged(
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     *,
+    kv_format: Optional[str] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of ragged queries over paged K/V (store first, then attend).
@@ -129,9 +152,11 @@ def flash_attn_paged(
     joins head h's softmax denominator and adds no value. Queries that see no key and padding rows
     give zeros. With out= the result is written into a preallocated tensor. FP8 k_scales / v_scales:
     per token [N, P, Hk, ceil(D/G)] or one per-tensor scale ([] or [1]), each tensor its own choice.
+    A packed MLA cache (kv_format "fp8_ds_mla" / "fp8_rope", v_cache None): q [T, Hq, 576] over the
+    logical keys, output [T, Hq, 512]; scale defaults to 1/sqrt(576).
     """
     args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
-            k_scales, v_scales, quant_group, window_left, softcap, sinks)
+            k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
     if out is None:
         return _ops.flash_attn_paged(*args)
     _ops.flash_attn_paged.out(*args, out=out)
@@ -142,7 +167,7 @@ def flash_attn_paged_lse(
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     cache_lengths: torch.Tensor,
     lookup_table: torch.Tensor,
     scale: Optional[float] = None,
@@ -153,6 +178,8 @@ def flash_attn_paged_lse(
     window_left: int = -1,
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    *,
+    kv_format: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attn_paged` that also returns the log-sum-exp: `(out [T, Hq, Dv], lse [T, Hq] float32)`.
 
@@ -161,7 +188,7 @@ def flash_attn_paged_lse(
     Two results over disjoint key sets combine exactly with `merge_attn_states`.
     """
     return _ops.flash_attn_paged_lse(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale,
-                                     causal, k_scales, v_scales, quant_group, window_left, softcap, sinks)
+                                     causal, k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
 
 
 def merge_attn_states(
@@ -180,7 +207,7 @@ def merge_attn_states(
 def flash_attn_paged_sparse(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     indices: torch.Tensor,
     scale: Optional[float] = None,
     k_scales: Optional[torch.Tensor] = None,
@@ -188,17 +215,20 @@ def flash_attn_paged_sparse(
     quant_group: int = 128,
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    *,
+    kv_format: Optional[str] = None,
 ) -> torch.Tensor:
     """Sparse (top-k) attention over the paged cache: query row t attends only over the tokens it lists.
 
     q [T, Hq, D]; indices int32 [T, Hk, K] (one list per KV head) or [T, 1, K] (shared by all heads), each
     entry an encoded token `page * P + slot` or -1 (no token); duplicates count as listed; no causal mask
-    or window. A row with no token outputs zeros. K-only (MLA) caches: pass `v_cache=k_cache[..., :Dv]`.
+    or window. A row with no token outputs zeros. K-only (MLA) caches: pass `v_cache=k_cache[..., :Dv]`;
+    packed MLA rows: v_cache None and kv_format (q [T, Hq, 576], output [T, Hq, 512]).
     Entries < -1 or >= N * P raise an index error (on CUDA when checks are on; skipped otherwise).
     Returns [T, Hq, Dv] in q's dtype.
     """
     return _ops.flash_attn_paged_sparse(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group,
-                                        softcap, sinks)
+                                        softcap, sinks, kv_format)
 
 
 def set_checks(enabled: bool) -> None:
@@ -292,7 +322,7 @@ def _same_device(op, reference_name, reference, **tensors):
 
 @torch.library.register_fake("pagedkv::paged_store")
 def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
-                      k_scales=None, v_scales=None, quant_group=128):
+                      k_scales=None, v_scales=None, quant_group=128, kv_format=None):
     _same_device("paged_store", "k_cache", k_cache, key=key, value=value, v_cache=v_cache,
                  input_row_offsets=input_row_offsets, cache_lengths=cache_lengths, lookup_table=lookup_table,
                  k_scales=k_scales, v_scales=v_scales)
@@ -300,7 +330,8 @@ def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_len
 
 
 @torch.library.register_fake("pagedkv::paged_load")
-def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group=128):
+def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group=128,
+                     kv_format=None):
     _same_device("paged_load", "cache", cache, scales=scales, lookup_table=lookup_table, seq_lens=seq_lens,
                  output_row_offsets=output_row_offsets, out=out)
     return None
@@ -313,18 +344,27 @@ def _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, loo
                  v_scales=v_scales, sinks=sinks, out=out)
 
 
+def _value_dim(op, v_cache, kv_format):
+    """Dv of an attention output: the latent of a packed format, else v_cache's last dim."""
+    if kv_format in KV_FORMATS:
+        return LATENT_DIM
+    if v_cache is None:
+        raise RuntimeError(f"{op}: v_cache must be a tensor unless kv_format names a packed format, got None")
+    return v_cache.size(-1)
+
+
 @torch.library.register_fake("pagedkv::flash_attn_paged")
 def _flash_attn_paged_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                            causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1, softcap=0.0,
-                           sinks=None):
+                           sinks=None, kv_format=None):
     _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks)
-    return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
+    return q.new_empty((q.size(0), q.size(1), _value_dim("flash_attn_paged", v_cache, kv_format)))
 
 
 @torch.library.register_fake("pagedkv::flash_attn_paged.out")
 def _flash_attn_paged_out_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                                causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
-                               softcap=0.0, sinks=None, *, out):
+                               softcap=0.0, sinks=None, kv_format=None, *, out):
     _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks,
                       out)
     return None
@@ -333,9 +373,9 @@ def _flash_attn_paged_out_fake(q, input_row_offsets, k_cache, v_cache, cache_len
 @torch.library.register_fake("pagedkv::flash_attn_paged_lse")
 def _flash_attn_paged_lse_fake(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale=None,
                                causal=True, k_scales=None, v_scales=None, quant_group=128, window_left=-1,
-                               softcap=0.0, sinks=None):
+                               softcap=0.0, sinks=None, kv_format=None):
     _attn_fake_checks(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, k_scales, v_scales, sinks)
-    return (q.new_empty((q.size(0), q.size(1), v_cache.size(-1))),
+    return (q.new_empty((q.size(0), q.size(1), _value_dim("flash_attn_paged_lse", v_cache, kv_format))),
             q.new_empty((q.size(0), q.size(1)), dtype=torch.float32))
 
 
@@ -348,7 +388,7 @@ def _merge_attn_states_fake(out_a, lse_a, out_b, lse_b):
 
 @torch.library.register_fake("pagedkv::flash_attn_paged_sparse")
 def _flash_attn_paged_sparse_fake(q, k_cache, v_cache, indices, scale=None, k_scales=None, v_scales=None,
-                                  quant_group=128, softcap=0.0, sinks=None):
+                                  quant_group=128, softcap=0.0, sinks=None, kv_format=None):
     _same_device("flash_attn_paged_sparse", "k_cache", k_cache, q=q, v_cache=v_cache, indices=indices,
                  k_scales=k_scales, v_scales=v_scales, sinks=sinks)
-    return q.new_empty((q.size(0), q.size(1), v_cache.size(-1)))
+    return q.new_empty((q.size(0), q.size(1), _value_dim("flash_attn_paged_sparse", v_cache, kv_format)))

@@ -14,6 +14,7 @@ import math
 import torch
 
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, fp8_max, is_fp8, is_per_tensor_scale, num_scale_groups
+from .kv_formats import DS_MLA_GROUP, LATENT_DIM, ROPE_DIM, PackedRow, packed_row
 
 __all__ = [
     "FP8_DTYPES",
@@ -23,6 +24,8 @@ __all__ = [
     "num_scale_groups",
     "quantize_fp8",
     "dequantize_fp8",
+    "pack_mla_rows",
+    "unpack_mla_rows",
     "gather_rows",
     "contiguous_kv",
     "paged_store",
@@ -95,6 +98,70 @@ def dequantize_fp8(
     return (q.to(compute) * expanded).to(out_dtype)
 
 
+def _row_bytes(values: torch.Tensor) -> torch.Tensor:
+    """The bytes of `values [..., C]` (native, little-endian here): uint8 [..., C * element size]."""
+    return values.contiguous().view(torch.uint8)
+
+
+def _row_part(rows: torch.Tensor, start: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """`count` values of `dtype` stored at byte `start` of each row of `rows` uint8 [..., row_bytes]."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return rows[..., start : start + count * size].contiguous().view(dtype)
+
+
+def _latent_scale(layout: PackedRow, scale: torch.Tensor | None) -> torch.Tensor | None:
+    if layout.per_tensor_scale and (scale is None or not is_per_tensor_scale(scale)):
+        raise ValueError(f"{layout.name} needs the per-tensor scale of the latent (one float32 element), got {scale!r}")
+    if not layout.per_tensor_scale and scale is not None:
+        raise ValueError(f"{layout.name} keeps its scales in the rows: scale must be None")
+    return scale
+
+
+def pack_mla_rows(key: torch.Tensor, kv_format: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack logical MLA keys `key [..., 576]` into `kv_format`'s uint8 rows `[..., row_bytes]`, as
+    `paged_store` writes them (CONTRACT v1.2): the latent `key[..., :512]` quantized to e4m3 by
+    `quantize_fp8` (fp8_ds_mla: per 128 channels `scale = amax / 448` stored after the latent;
+    fp8_rope: with the given per-tensor `scale`, which is not stored), the rope `key[..., 512:]`
+    rounded to bfloat16 (nearest even)."""
+    layout = packed_row(kv_format)
+    scale = _latent_scale(layout, scale)
+    latent, rope = key[..., :LATENT_DIM], key[..., LATENT_DIM:]
+    rows = torch.zeros((*key.shape[:-1], layout.row_bytes), dtype=torch.uint8, device=key.device)
+    codes, scales = quantize_fp8(latent, torch.float8_e4m3fn, DS_MLA_GROUP, scale=scale)
+    rows[..., :LATENT_DIM] = _row_bytes(codes)
+    if not layout.per_tensor_scale:
+        rows[..., layout.scales_offset : layout.rope_offset] = _row_bytes(scales)
+    rows[..., layout.rope_offset :] = _row_bytes(rope.to(torch.bfloat16))
+    return rows
+
+
+def unpack_mla_rows(
+    rows: torch.Tensor, kv_format: str, scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Logical keys `[..., 576]` of packed rows `rows uint8 [..., row_bytes]` (any producer's):
+    `concat(float(latent) * its scale, rope)`, the product formed as `dequantize_fp8` forms it, in
+    `out_dtype`. fp8_rope takes the per-tensor `scale`; fp8_ds_mla reads the four scales in the rows."""
+    layout = packed_row(kv_format)
+    scale = _latent_scale(layout, scale)
+    codes = _row_part(rows, 0, torch.float8_e4m3fn, LATENT_DIM)
+    if layout.per_tensor_scale:
+        scales = scale
+    else:
+        scales = _row_part(rows, layout.scales_offset, torch.float32, LATENT_DIM // DS_MLA_GROUP)
+    latent = dequantize_fp8(codes, scales, DS_MLA_GROUP, out_dtype)
+    rope = _row_part(rows, layout.rope_offset, torch.bfloat16, ROPE_DIM)
+    return torch.cat([latent, rope.to(out_dtype)], dim=-1)
+
+
+def _logical_cache(k_cache, v_cache, k_scales, v_scales, kv_format: str, dtype: torch.dtype):
+    """A packed cache as the plain caches the reference attends over: `(keys [N, P, 1, 576],
+    values [N, P, 1, 512])` in `dtype` (every row unpacked; rows never read may hold anything)."""
+    if v_cache is not None or v_scales is not None:
+        raise ValueError(f"kv_format {kv_format!r} keeps K and V in one row: v_cache and v_scales must be None")
+    keys = unpack_mla_rows(k_cache, kv_format, k_scales, dtype)
+    return keys, keys[..., :LATENT_DIM]
+
+
 def _scales_at(scales: torch.Tensor, *index) -> torch.Tensor:
     """The scales of the cache entries `index` selects: per-token scales indexed like the cache,
     or the per-tensor scale itself."""
@@ -119,15 +186,17 @@ def gather_rows(
     *,
     quant_group: int = 128,
     out_dtype: torch.dtype | None = None,
+    kv_format: str | None = None,
 ) -> list[torch.Tensor]:
     """Gather logical tokens `[0, lengths[b])` of every row from a paged `cache [N, P, Hk, D]`.
 
     Returns a list of B tensors `[lengths[b], Hk, D]` in `out_dtype` (default: the cache dtype for
-    float caches, float32 for FP8 caches, which are dequantized with `scales`).
+    float caches, float32 for FP8 caches, which are dequantized with `scales`). A packed cache
+    (`kv_format`) gives its logical keys `[lengths[b], 1, 576]` (`unpack_mla_rows`).
     """
     page_size = cache.shape[1]
     if out_dtype is None:
-        out_dtype = torch.float32 if is_fp8(cache.dtype) else cache.dtype
+        out_dtype = torch.float32 if is_fp8(cache.dtype) or kv_format is not None else cache.dtype
     if is_fp8(cache.dtype) and scales is None:
         raise ValueError("gather_rows: scales are required for an FP8 cache")
     rows = []
@@ -135,7 +204,9 @@ def gather_rows(
         positions = torch.arange(length, device=cache.device)
         pages, slots = _positions_to_slots(lookup_table[b], positions, page_size)
         values = cache[pages, slots]
-        if is_fp8(cache.dtype):
+        if kv_format is not None:
+            values = unpack_mla_rows(values, kv_format, scales, out_dtype)
+        elif is_fp8(cache.dtype):
             values = dequantize_fp8(values, _scales_at(scales, pages, slots), quant_group, out_dtype)
         else:
             values = values.to(out_dtype)
@@ -186,14 +257,16 @@ def _row_spans(input_row_offsets: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(offsets[:-1], offsets[1:]))
 
 
-def _store_one(src, cache, scales, lookup_row, start_pos, quant_group):
+def _store_one(src, cache, scales, lookup_row, start_pos, quant_group, kv_format=None):
     # src [n, Hk, D]; writes logical positions [start_pos, start_pos + n).
     n = src.shape[0]
     if n == 0:
         return
     positions = torch.arange(start_pos, start_pos + n, device=cache.device)
     pages, slots = _positions_to_slots(lookup_row, positions, cache.shape[1])
-    if is_fp8(cache.dtype) and is_per_tensor_scale(scales):
+    if kv_format is not None:
+        cache[pages, slots] = pack_mla_rows(src, kv_format, scales)
+    elif is_fp8(cache.dtype) and is_per_tensor_scale(scales):
         cache[pages, slots] = quantize_fp8(src, cache.dtype, quant_group, scale=scales)[0]
     elif is_fp8(cache.dtype):
         q, s = quantize_fp8(src, cache.dtype, quant_group)
@@ -214,6 +287,7 @@ def paged_store(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     quant_group: int = 128,
+    kv_format: str | None = None,
 ) -> None:
     """Write the new tokens of every row into the paged caches (in place).
 
@@ -224,8 +298,11 @@ def paged_store(
 
     Row `offsets[b] + i` goes to position `cache_lengths[b] + i` of sequence b. FP8 caches get the
     per-(token, head, group) quantization of `quantize_fp8` and its scales, or with a per-tensor
-    scale `s` the codes `fp8(clamp(x / s))` and no scale written.
+    scale `s` the codes `fp8(clamp(x / s))` and no scale written. A packed cache (`kv_format`,
+    key [T, 1, 576], no value) gets the rows of `pack_mla_rows` (fp8_rope: `k_scales` is its scale).
     """
+    if kv_format is not None and (value is not None or v_cache is not None or v_scales is not None):
+        raise ValueError(f"kv_format {kv_format!r} stores keys only: value, v_cache and v_scales must be None")
     if (value is None) != (v_cache is None):
         raise ValueError("value must be None if and only if v_cache is None")
     if is_fp8(k_cache.dtype) and k_scales is None:
@@ -234,7 +311,7 @@ def paged_store(
         raise ValueError("v_scales is required for an FP8 v_cache")
     lengths = _to_list(cache_lengths)
     for b, (start, end) in enumerate(_row_spans(input_row_offsets)):
-        _store_one(key[start:end], k_cache, k_scales, lookup_table[b], lengths[b], quant_group)
+        _store_one(key[start:end], k_cache, k_scales, lookup_table[b], lengths[b], quant_group, kv_format)
         if v_cache is not None:
             _store_one(value[start:end], v_cache, v_scales, lookup_table[b], lengths[b], quant_group)
 
@@ -247,16 +324,18 @@ def paged_load(
     output_row_offsets: torch.Tensor,
     out: torch.Tensor,
     quant_group: int = 128,
+    kv_format: str | None = None,
 ) -> None:
     """Gather tokens `[0, seq_lens[b])` of each row into `out[output_row_offsets[b] + t]` (in place).
 
     cache [N, P, Hk, D], scales float32 [N, P, Hk, ceil(D/G)] or None, lookup_table int32
     [B, max_pages], seq_lens int32 [B], output_row_offsets int32 [B] or [B+1] (only the first B
-    entries are read), out [T_out, Hk, D]. FP8 entries are dequantized as `float(q) * s`.
+    entries are read), out [T_out, Hk, D]. FP8 entries are dequantized as `float(q) * s`; a packed
+    cache (`kv_format`) gives its logical keys, out [T_out, 1, 576].
     """
     offsets = _to_list(output_row_offsets)
     rows = gather_rows(
-        cache, scales, lookup_table, seq_lens, quant_group=quant_group, out_dtype=out.dtype
+        cache, scales, lookup_table, seq_lens, quant_group=quant_group, out_dtype=out.dtype, kv_format=kv_format
     )
     for b, row in enumerate(rows):
         out[offsets[b] : offsets[b] + row.shape[0]] = row
@@ -278,6 +357,7 @@ def flash_attn_paged(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    kv_format: str | None = None,
 ) -> torch.Tensor:
     """Attention of ragged queries over paged K/V; returns `[T, Hq, Dv]` in q's dtype.
 
@@ -290,10 +370,12 @@ def flash_attn_paged(
     (scale defaults to 1/sqrt(D)), soft-capped as `softcap * tanh(s / softcap)` when softcap > 0.
     A sink logit `sinks[h]` adds `exp(sinks[h])` to head h's softmax denominator and no value.
     Everything is computed in `compute_dtype`. Rows seeing no key and padding rows give zeros.
+    A packed cache (`kv_format`, v_cache None) is attended over its logical keys and values.
     """
     out, _ = flash_attn_paged_lse(
         q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
         k_scales, v_scales, quant_group, window_left, softcap, sinks, compute_dtype=compute_dtype,
+        kv_format=kv_format,
     )
     return out
 
@@ -349,10 +431,14 @@ def flash_attn_paged_lse(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    kv_format: str | None = None,
 ):
     """`flash_attn_paged` that also returns `lse [T, Hq]` float32: the natural log of each row's
     softmax denominator (sink included), -inf where a row sees no key and has no sink, and on
     padding rows."""
+    if kv_format is not None:
+        k_cache, v_cache = _logical_cache(k_cache, v_cache, k_scales, v_scales, kv_format, compute_dtype)
+        k_scales = v_scales = None
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -434,11 +520,16 @@ def flash_attn_paged_sparse(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    kv_format: str | None = None,
 ) -> torch.Tensor:
     """Attention of each query row over the tokens it lists: `q [T, Hq, D]`, `indices [T, Hk or 1, K]`
     int32, each entry an encoded token `page * P + slot` or -1 (no token). Query head h reads the list
     of KV head `h // (Hq // Hk)` (or the shared list). No mask besides the list; duplicates count as
-    listed. A row with no token outputs zeros. Returns `[T, Hq, Dv]` in q's dtype."""
+    listed. A row with no token outputs zeros. Returns `[T, Hq, Dv]` in q's dtype. A packed cache
+    (`kv_format`, v_cache None) is attended over its logical keys and values."""
+    if kv_format is not None:
+        k_cache, v_cache = _logical_cache(k_cache, v_cache, k_scales, v_scales, kv_format, compute_dtype)
+        k_scales = v_scales = None
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads = k_cache.shape[:3]
     group_size = num_q_heads // num_kv_heads
