@@ -400,6 +400,8 @@ static pkv_status check_distinct_slots(const pkv_index_view *offsets, const pkv_
 
 pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error *err) {
   const char *op = "paged_store";
+  if (a->kv_format != PKV_KV_PLAIN)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: internal: a packed call must be unpacked before its check", op);
   TRY(check_group(a->quant_group, op, err));
   TRY(check_cache(&a->k_cache, op, "k_cache", 1, err));
   int device = a->k_cache.device;
@@ -469,6 +471,8 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
 
 pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *err) {
   const char *op = "paged_load";
+  if (a->kv_format != PKV_KV_PLAIN)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: internal: a packed call must be unpacked before its check", op);
   TRY(check_group(a->quant_group, op, err));
   TRY(check_cache(&a->cache, op, "cache", 0, err));
   int device = a->cache.device;
@@ -540,7 +544,9 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
                                            const pkv_tensor *v_cache, const pkv_tensor *k_scales,
                                            const pkv_tensor *v_scales, const pkv_tensor *sinks,
                                            const pkv_tensor *out, int64_t quant_group, double scale, double softcap,
-                                           pkv_error *err) {
+                                           pkv_kv_format kv_format, int64_t tail_dim, pkv_error *err) {
+  if (kv_format != PKV_KV_PLAIN || tail_dim < 0)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: internal: a packed call must be unpacked before its check", op);
   TRY(check_group(quant_group, op, err));
   TRY(check_cache(k_cache, op, "k_cache", 0, err));
   TRY(check_cache(v_cache, op, "v_cache", 0, err));
@@ -555,7 +561,7 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
   TRY(need_dims(q, 3, op, "q", "[T, Hq, D]", err));
   TRY(need_float_input(q, op, "q", err));
   TRY(need_device(q, device, op, "q", "k_cache", err));
-  TRY(need_size(q, 2, k_cache->sizes[3], op, "q", "D of k_cache", err));
+  TRY(need_size(q, 2, k_cache->sizes[3] + tail_dim, op, "q", tail_dim ? "D of the packed keys" : "D of k_cache", err));
   TRY(need_unit_last_stride(q, op, "q", err));
   int64_t hq = q->sizes[1], hk = k_cache->sizes[2];
   if (hq < 1 || hq % hk != 0)
@@ -594,7 +600,7 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
   const char *op = "flash_attn_paged";
   TRY(check_attention_operands(op, &a->q, &a->k_cache, &a->v_cache, &a->k_scales, &a->v_scales, &a->sinks, &a->out,
-                               a->quant_group, a->scale, a->softcap, err));
+                               a->quant_group, a->scale, a->softcap, a->kv_format, a->k_tail_dim, err));
   int device = a->k_cache.device;
   if (a->window_left < -1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: window_left must be -1 (no window) or >= 0, got %lld", op,
@@ -695,7 +701,7 @@ pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err) {
 pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_error *err) {
   const char *op = "flash_attn_paged_sparse";
   TRY(check_attention_operands(op, &a->q, &a->k_cache, &a->v_cache, &a->k_scales, &a->v_scales, &a->sinks, &a->out,
-                               a->quant_group, a->scale, a->softcap, err));
+                               a->quant_group, a->scale, a->softcap, a->kv_format, a->k_tail_dim, err));
   const pkv_tensor *ix = &a->indices;
   TRY(need_defined(ix, op, "indices", err));
   TRY(need_dims(ix, 3, op, "indices", "[T, Hk or 1, K]", err));

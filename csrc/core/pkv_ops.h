@@ -11,6 +11,7 @@
 
 #include "pkv_common.h"
 #include "pkv_view.h"
+#include "pkv_kv_format.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -28,6 +29,7 @@ typedef struct {
                                  * (one element, [] or [1]: read, pkv_scales_per_tensor) */
   pkv_tensor v_scales;          /* the same for v_cache (Dv) */
   int64_t quant_group;
+  pkv_kv_format kv_format;      /* packed formats: pkv_store_unpack gives the plain calls */
 } pkv_store_args;
 
 typedef struct {
@@ -39,6 +41,7 @@ typedef struct {
   pkv_tensor output_row_offsets; /* int32 [B+1] */
   pkv_tensor out;                /* [T_out, Hk, D] f32/f16/bf16 */
   int64_t quant_group;
+  pkv_kv_format kv_format;       /* packed formats: pkv_load_unpack gives the plain calls */
 } pkv_load_args;
 
 typedef struct {
@@ -57,6 +60,11 @@ typedef struct {
   double softcap;      /* 0: off */
   pkv_tensor sinks;    /* f32 [Hq] or undefined: exp(sinks[h]) joins head h's softmax denominator */
   pkv_tensor lse;      /* f32 [T, Hq] or undefined: log of each row's softmax denominator, written */
+  pkv_kv_format kv_format; /* packed formats: pkv_attn_unpack gives the plain call below */
+  /* Plain form only: keys have k_tail_dim more channels than k_cache's D (q's D = D + k_tail_dim),
+   * bfloat16, stored k_tail_offset bytes after the start of each K row (packed MLA rows' rope;
+   * scores include them, values do not). 0: no tail. */
+  int64_t k_tail_dim, k_tail_offset;
 } pkv_attn_args;
 
 /* copy_pages: pool[dst_pages[i]] = pool[src_pages[i]] along dim 0 (the page manager's
@@ -78,6 +86,8 @@ typedef struct {
   double scale;                 /* resolved */
   int64_t quant_group;
   double softcap;
+  pkv_kv_format kv_format;          /* as pkv_attn_args' */
+  int64_t k_tail_dim, k_tail_offset; /* as pkv_attn_args' */
 } pkv_sparse_args;
 
 /* Entry [t, h, k] of an int32 indices tensor (any non-negative strides). */
@@ -108,6 +118,16 @@ pkv_status pkv_copy_pages_check_values(int64_t num_pages, const int32_t *src_pag
                                        int64_t num_copies, pkv_error *err);
 pkv_status pkv_merge_check(const pkv_merge_args *a, pkv_error *err);
 pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_error *err);
+
+/* Packed formats (pkv_kv_format.h): check what the format fixes (cache dtype and row width, the
+ * arguments it has none of, key and output widths), naming the caller's arguments, and write the
+ * call in plain form. Store and load give 1 call (plain format: *a itself) or 2 (latent with its
+ * scales, then rope), each still to pass the op's check; the backends check every part before
+ * running any, so a failed check writes nothing. Attention gives one plain call with a K tail. */
+pkv_status pkv_store_unpack(const pkv_store_args *a, pkv_store_args parts[2], int *num_parts, pkv_error *err);
+pkv_status pkv_load_unpack(const pkv_load_args *a, pkv_load_args parts[2], int *num_parts, pkv_error *err);
+pkv_status pkv_attn_unpack(const pkv_attn_args *a, pkv_attn_args *plain, pkv_error *err);
+pkv_status pkv_sparse_unpack(const pkv_sparse_args *a, pkv_sparse_args *plain, pkv_error *err);
 
 #ifdef __cplusplus
 }

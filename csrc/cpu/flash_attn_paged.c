@@ -382,8 +382,8 @@ static int64_t queue_next(pkv_item_queue *q) {
 static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, int64_t begin, int64_t end,
                             atomic_llong *claims, pkv_error *err) {
   if (begin >= end) return PKV_OK;
-  int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3], heads = a->q.sizes[1] / a->k_cache.sizes[2];
-  int64_t nq = rows_per_item(heads) * heads, dvp = pkv_cpu_pad(dv);
+  int64_t dk = a->k_cache.sizes[3], d = dk + a->k_tail_dim, dv = a->v_cache.sizes[3];
+  int64_t heads = a->q.sizes[1] / a->k_cache.sizes[2], nq = rows_per_item(heads) * heads, dvp = pkv_cpu_pad(dv);
   pkv_cpu_attn_scratch w;
   void *mem = scratch_alloc(&w, nq, d, dv);
   if (!mem) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for attention scratch");
@@ -393,7 +393,7 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
    * decode's rule for scale groups, the one dot_decode_ok applies (attn_item drops use_dot for grouped
    * keys on every other path) */
   int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
-                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(d, a->quant_group)));
+                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(dk, a->quant_group)));
   const pkv_cpu_decode decode = pkv_settings_get().cpu_decode;
   split_state *st = (split_state *)plan->splits;
   pkv_item_queue queue = {plan->items, claims, begin, end, -1};

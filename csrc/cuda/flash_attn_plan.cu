@@ -114,6 +114,11 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
                                    pkv_error *err) {
   const char *op = "flash_attn_paged";
   const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
+  if (a->k_tail_dim != 0)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: packed MLA rows (kv_format='fp8_ds_mla' / 'fp8_rope') are not supported by the CUDA "
+                    "attention kernels yet (paged_store and paged_load are; attention runs on CPU tensors)",
+                    op);
   // a float32 cache first: with it the shim passes float32 queries on as they are, and the q message
   // below would blame them
   if (kd == PKV_DTYPE_F32 || vd == PKV_DTYPE_F32)

@@ -113,6 +113,10 @@ bool portable_forced() { return pkv_settings_get().cuda_sparse == PKV_CUDA_SPARS
 extern "C" {
 
 pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err) {
+  if (a->k_tail_dim != 0)
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "flash_attn_paged_sparse: packed MLA rows (kv_format='fp8_ds_mla' / 'fp8_rope') are not "
+                    "supported by the CUDA kernels yet (attention over them runs on CPU tensors)");
   if (a->v_cache.sizes[3] > pkv::kSparsePortableMaxDv)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED,
                     "flash_attn_paged_sparse: value head size %lld is not supported on CUDA (at most %d)",

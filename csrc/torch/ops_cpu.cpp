@@ -63,47 +63,87 @@ int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kBytesPerTask / std::max<int64_t>(1, bytes_per_item));
 }
 
+// One plain store or load (a packed call is two, pkv_store_unpack / pkv_load_unpack): its checks
+// and snapshots first, for every part, then the kernels, so a failed check writes nothing.
+struct StorePart {
+  pkv_store_args a;
+  IndexSnapshot offsets, lengths;
+  ScaleSnapshot k_scale, v_scale;
+
+  void check() {
+    pkv_error err{};
+    raise_if_failed(pkv_store_check(&a, /*check_values=*/0, &err), err);
+    offsets.take(a.input_row_offsets);
+    lengths.take(a.cache_lengths);
+    k_scale.take(a.k_scales, a.k_cache, a.quant_group);
+    v_scale.take(a.v_scales, a.v_cache, a.quant_group);
+    raise_if_failed(pkv_store_check(&a, /*check_values=*/1, &err), err);
+  }
+  void run() {
+    at::parallel_for(0, pkv_store_cpu_work(&a), grain_for(a.key.sizes[1] * a.key.sizes[2] * 4),
+                     [&](int64_t begin, int64_t end) { pkv_store_cpu(&a, begin, end); });
+  }
+};
+
+struct LoadPart {
+  pkv_load_args a;
+  IndexSnapshot lengths, offsets;
+  ScaleSnapshot scale;
+
+  void check() {
+    pkv_error err{};
+    raise_if_failed(pkv_load_check(&a, /*check_values=*/0, &err), err);
+    lengths.take(a.seq_lens);
+    offsets.take(a.output_row_offsets);
+    scale.take(a.scales, a.cache, a.quant_group);
+    raise_if_failed(pkv_load_check(&a, /*check_values=*/1, &err), err);
+    scale.broadcast(a.scales, a.cache, a.quant_group);
+  }
+  void run() {
+    at::parallel_for(0, pkv_load_cpu_work(&a), grain_for(a.cache.sizes[1] * a.cache.sizes[2] * a.cache.sizes[3] * 4),
+                     [&](int64_t begin, int64_t end) { pkv_load_cpu(&a, begin, end); });
+  }
+};
+
 void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
                      const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
                      const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
                      const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                     int64_t quant_group) {
+                     int64_t quant_group, KvFormat kv_format) {
   pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
-                                k_scales, v_scales, quant_group);
+                                k_scales, v_scales, quant_group, kv_format);
+  pkv_store_args plain[2];
+  int num_parts = 0;
   pkv_error err{};
-  raise_if_failed(pkv_store_check(&a, /*check_values=*/0, &err), err);
-  IndexSnapshot offsets, lengths;
-  offsets.take(a.input_row_offsets);
-  lengths.take(a.cache_lengths);
-  ScaleSnapshot k_scale, v_scale;
-  k_scale.take(a.k_scales, a.k_cache, quant_group);
-  v_scale.take(a.v_scales, a.v_cache, quant_group);
-  raise_if_failed(pkv_store_check(&a, /*check_values=*/1, &err), err);
-  int64_t work = pkv_store_cpu_work(&a);
-  at::parallel_for(0, work, grain_for(key.size(1) * key.size(2) * 4),
-                   [&](int64_t begin, int64_t end) { pkv_store_cpu(&a, begin, end); });
+  raise_if_failed(pkv_store_unpack(&a, plain, &num_parts, &err), err);
+  StorePart parts[2];
+  for (int i = 0; i < num_parts; i++) {
+    parts[i].a = plain[i];
+    parts[i].check();
+  }
+  for (int i = 0; i < num_parts; i++) parts[i].run();
 }
 
 void paged_load_cpu(const at::Tensor &cache, const std::optional<at::Tensor> &scales, const at::Tensor &lookup_table,
                     const at::Tensor &seq_lens, const at::Tensor &output_row_offsets, const at::Tensor &out,
-                    int64_t quant_group) {
-  pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
+                    int64_t quant_group, KvFormat kv_format) {
+  pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group, kv_format);
+  pkv_load_args plain[2];
+  int num_parts = 0;
   pkv_error err{};
-  raise_if_failed(pkv_load_check(&a, /*check_values=*/0, &err), err);
-  IndexSnapshot lengths, offsets;
-  lengths.take(a.seq_lens);
-  offsets.take(a.output_row_offsets);
-  ScaleSnapshot scale;
-  scale.take(a.scales, a.cache, quant_group);
-  raise_if_failed(pkv_load_check(&a, /*check_values=*/1, &err), err);
-  scale.broadcast(a.scales, a.cache, quant_group);
-  int64_t work = pkv_load_cpu_work(&a);
-  at::parallel_for(0, work, grain_for(cache.size(1) * cache.size(2) * cache.size(3) * 4),
-                   [&](int64_t begin, int64_t end) { pkv_load_cpu(&a, begin, end); });
+  raise_if_failed(pkv_load_unpack(&a, plain, &num_parts, &err), err);
+  LoadPart parts[2];
+  for (int i = 0; i < num_parts; i++) {
+    parts[i].a = plain[i];
+    parts[i].check();
+  }
+  for (int i = 0; i < num_parts; i++) parts[i].run();
 }
 
-void attn_cpu(pkv_attn_args a) {
+void attn_cpu(const pkv_attn_args &call) {
   pkv_error err{};
+  pkv_attn_args a;
+  raise_if_failed(pkv_attn_unpack(&call, &a, &err), err);
   raise_if_failed(pkv_attn_check(&a, /*check_values=*/0, &err), err);
   IndexSnapshot offsets, lengths;
   offsets.take(a.input_row_offsets);
@@ -132,35 +172,35 @@ void attn_cpu(pkv_attn_args a) {
 }
 
 at::Tensor flash_attn_paged_cpu(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
-                                const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                                const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths,
                                 const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                 const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
                                 int64_t quant_group, int64_t window_left, double softcap,
-                                const std::optional<at::Tensor> &sinks) {
-  at::Tensor out = attn_output(q, v_cache);
+                                const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  at::Tensor out = attn_output(q, v_cache, kv_format);
   attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                     v_scales, quant_group, window_left, softcap, sinks, out));
+                     v_scales, quant_group, window_left, softcap, sinks, kv_format, out));
   return out;
 }
 
 void flash_attn_paged_out_cpu(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
-                              const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                              const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths,
                               const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                               const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
                               int64_t quant_group, int64_t window_left, double softcap,
-                              const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
+                              const std::optional<at::Tensor> &sinks, KvFormat kv_format, const at::Tensor &out) {
   attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                     v_scales, quant_group, window_left, softcap, sinks, out));
+                     v_scales, quant_group, window_left, softcap, sinks, kv_format, out));
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cpu(
-    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache, const at::Tensor &v_cache,
-    const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+    const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales, int64_t quant_group,
-    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks) {
-  at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
+    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  at::Tensor out = attn_output(q, v_cache, kv_format), lse = attn_lse(q);
   attn_cpu(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                     v_scales, quant_group, window_left, softcap, sinks, out, lse));
+                     v_scales, quant_group, window_left, softcap, sinks, kv_format, out, lse));
   return {out, lse};
 }
 
@@ -175,22 +215,27 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_cpu(const at::Tensor &out_a
   return {out, lse};
 }
 
-at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
-                                       const at::Tensor &indices, std::optional<double> scale,
-                                       const std::optional<at::Tensor> &k_scales,
+at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_cache,
+                                       const std::optional<at::Tensor> &v_cache, const at::Tensor &indices,
+                                       std::optional<double> scale, const std::optional<at::Tensor> &k_scales,
                                        const std::optional<at::Tensor> &v_scales, int64_t quant_group, double softcap,
-                                       const std::optional<at::Tensor> &sinks) {
-  at::Tensor out = attn_output(q, v_cache);
-  pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap, sinks,
-                                  out);
+                                       const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  at::Tensor out = attn_output(q, v_cache, kv_format);
+  pkv_sparse_args call = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
+                                     sinks, kv_format, out);
+  pkv_sparse_args a;
+  {
+    pkv_error err{};
+    raise_if_failed(pkv_sparse_unpack(&call, &a, &err), err);
+  }
   pkv_error err{};
   raise_if_failed(pkv_sparse_check(&a, /*check_values=*/0, &err), err);
   ScaleSnapshot k_scale, v_scale;
-  k_scale.take(a.k_scales, a.k_cache, quant_group);
-  v_scale.take(a.v_scales, a.v_cache, quant_group);
+  k_scale.take(a.k_scales, a.k_cache, a.quant_group);
+  v_scale.take(a.v_scales, a.v_cache, a.quant_group);
   raise_if_failed(pkv_sparse_check(&a, /*check_values=*/1, &err), err);
-  k_scale.broadcast(a.k_scales, a.k_cache, quant_group);
-  v_scale.broadcast(a.v_scales, a.v_cache, quant_group);
+  k_scale.broadcast(a.k_scales, a.k_cache, a.quant_group);
+  v_scale.broadcast(a.v_scales, a.v_cache, a.quant_group);
   std::atomic<int> failed{0};
   pkv_error item_err{};
   // an item gathers up to K rows of K and V: a few of them per task

@@ -104,41 +104,60 @@ void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &va
                       const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
                       const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
                       const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                      int64_t quant_group) {
+                      int64_t quant_group, KvFormat kv_format) {
   c10::cuda::CUDAGuard guard(cuda_device({&k_cache, &key, &input_row_offsets, &cache_lengths, &lookup_table}));
-  pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
-                                k_scales, v_scales, quant_group);
-  check_args<pkv_store_args>(a, pkv_store_check,
-                             {{&pkv_store_args::input_row_offsets, &input_row_offsets},
-                              {&pkv_store_args::cache_lengths, &cache_lengths},
-                              {&pkv_store_args::lookup_table, &lookup_table},
-                              {&pkv_store_args::k_scales, per_tensor_scale(k_scales)},
-                              {&pkv_store_args::v_scales, per_tensor_scale(v_scales)}});
+  pkv_store_args call = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
+                                   k_scales, v_scales, quant_group, kv_format);
+  // a packed call is two plain ones (latent, rope): every part is checked before any runs
+  pkv_store_args parts[2];
+  int num_parts = 0;
   pkv_error err{};
-  raise_if_failed(pkv_cuda_store_supported(&a, &err), err);
-  raise_cuda(pkv_cuda_store(&a, c10::cuda::getCurrentCUDAStream()));
+  raise_if_failed(pkv_store_unpack(&call, parts, &num_parts, &err), err);
+  for (int i = 0; i < num_parts; i++) {
+    check_args<pkv_store_args>(parts[i], pkv_store_check,
+                               {{&pkv_store_args::input_row_offsets, &input_row_offsets},
+                                {&pkv_store_args::cache_lengths, &cache_lengths},
+                                {&pkv_store_args::lookup_table, &lookup_table},
+                                {&pkv_store_args::k_scales,
+                                 pkv_scales_per_tensor(&parts[i].k_scales) ? per_tensor_scale(k_scales) : nullptr},
+                                {&pkv_store_args::v_scales, per_tensor_scale(v_scales)}});
+    raise_if_failed(pkv_cuda_store_supported(&parts[i], &err), err);
+  }
+  for (int i = 0; i < num_parts; i++) raise_cuda(pkv_cuda_store(&parts[i], c10::cuda::getCurrentCUDAStream()));
 }
 
 void paged_load_cuda(const at::Tensor &cache, const std::optional<at::Tensor> &scales,
                      const at::Tensor &lookup_table, const at::Tensor &seq_lens,
-                     const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group) {
+                     const at::Tensor &output_row_offsets, const at::Tensor &out, int64_t quant_group,
+                     KvFormat kv_format) {
   c10::cuda::CUDAGuard guard(cuda_device({&cache, &out, &lookup_table, &seq_lens, &output_row_offsets}));
-  pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group);
-  check_args<pkv_load_args>(a, pkv_load_check,
-                            {{&pkv_load_args::lookup_table, &lookup_table},
-                             {&pkv_load_args::seq_lens, &seq_lens},
-                             {&pkv_load_args::output_row_offsets, &output_row_offsets},
-                             {&pkv_load_args::scales, per_tensor_scale(scales)}});
-  at::Tensor scale_groups;
-  broadcast_scale(a.scales, a.cache, quant_group, scales, scale_groups);
+  pkv_load_args call = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group,
+                                 kv_format);
+  pkv_load_args parts[2];
+  int num_parts = 0;
   pkv_error err{};
-  raise_if_failed(pkv_cuda_load_supported(&a, &err), err);
-  raise_cuda(pkv_cuda_load(&a, c10::cuda::getCurrentCUDAStream()));
+  raise_if_failed(pkv_load_unpack(&call, parts, &num_parts, &err), err);
+  at::Tensor scale_groups[2];
+  for (int i = 0; i < num_parts; i++) {
+    pkv_load_args &a = parts[i];
+    check_args<pkv_load_args>(a, pkv_load_check,
+                              {{&pkv_load_args::lookup_table, &lookup_table},
+                               {&pkv_load_args::seq_lens, &seq_lens},
+                               {&pkv_load_args::output_row_offsets, &output_row_offsets},
+                               {&pkv_load_args::scales, pkv_scales_per_tensor(&a.scales) ? per_tensor_scale(scales)
+                                                                                         : nullptr}});
+    broadcast_scale(a.scales, a.cache, a.quant_group, scales, scale_groups[i]);
+    raise_if_failed(pkv_cuda_load_supported(&a, &err), err);
+  }
+  for (int i = 0; i < num_parts; i++) raise_cuda(pkv_cuda_load(&parts[i], c10::cuda::getCurrentCUDAStream()));
 }
 
-void attn_cuda(pkv_attn_args a, const at::Tensor &q, const at::Tensor &out, const at::Tensor &k_cache,
+void attn_cuda(const pkv_attn_args &call, const at::Tensor &q, const at::Tensor &out, const at::Tensor &k_cache,
                const at::Tensor &input_row_offsets, const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
                const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales) {
+  pkv_attn_args a;
+  pkv_error unpack_err{};
+  raise_if_failed(pkv_attn_unpack(&call, &a, &unpack_err), unpack_err);
   check_args<pkv_attn_args>(a, pkv_attn_check,
                             {{&pkv_attn_args::input_row_offsets, &input_row_offsets},
                              {&pkv_attn_args::cache_lengths, &cache_lengths},
@@ -177,41 +196,41 @@ void attn_cuda(pkv_attn_args a, const at::Tensor &q, const at::Tensor &out, cons
 }
 
 at::Tensor flash_attn_paged_cuda(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
-                                 const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                                 const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths,
                                  const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                  const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
                                  int64_t quant_group, int64_t window_left, double softcap,
-                                 const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
-  at::Tensor out = attn_output(q, v_cache);
+                                 const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
+  at::Tensor out = attn_output(q, v_cache, kv_format);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                      v_scales, quant_group, window_left, softcap, sinks, out),
+                      v_scales, quant_group, window_left, softcap, sinks, kv_format, out),
             q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
   return out;
 }
 
 void flash_attn_paged_out_cuda(const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
-                               const at::Tensor &v_cache, const at::Tensor &cache_lengths,
+                               const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths,
                                const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
                                const std::optional<at::Tensor> &k_scales,
                                const std::optional<at::Tensor> &v_scales, int64_t quant_group, int64_t window_left,
-                               double softcap, const std::optional<at::Tensor> &sinks, const at::Tensor &out) {
-  c10::cuda::CUDAGuard guard(
-      cuda_device({&q, &out, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
+                               double softcap, const std::optional<at::Tensor> &sinks, KvFormat kv_format,
+                               const at::Tensor &out) {
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &out, &k_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                      v_scales, quant_group, window_left, softcap, sinks, out),
+                      v_scales, quant_group, window_left, softcap, sinks, kv_format, out),
             q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_paged_lse_cuda(
-    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache, const at::Tensor &v_cache,
-    const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
+    const at::Tensor &q, const at::Tensor &input_row_offsets, const at::Tensor &k_cache,
+    const std::optional<at::Tensor> &v_cache, const at::Tensor &cache_lengths, const at::Tensor &lookup_table, std::optional<double> scale, bool causal,
     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales, int64_t quant_group,
-    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
-  at::Tensor out = attn_output(q, v_cache), lse = attn_lse(q);
+    int64_t window_left, double softcap, const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &input_row_offsets, &cache_lengths, &lookup_table}));
+  at::Tensor out = attn_output(q, v_cache, kv_format), lse = attn_lse(q);
   attn_cuda(attn_args(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal, k_scales,
-                      v_scales, quant_group, window_left, softcap, sinks, out, lse),
+                      v_scales, quant_group, window_left, softcap, sinks, kv_format, out, lse),
             q, out, k_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales);
   return {out, lse};
 }
@@ -227,22 +246,25 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_cuda(const at::Tensor &out_
   return {out, lse};
 }
 
-at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
-                                        const at::Tensor &indices, std::optional<double> scale,
-                                        const std::optional<at::Tensor> &k_scales,
+at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k_cache,
+                                        const std::optional<at::Tensor> &v_cache, const at::Tensor &indices,
+                                        std::optional<double> scale, const std::optional<at::Tensor> &k_scales,
                                         const std::optional<at::Tensor> &v_scales, int64_t quant_group,
-                                        double softcap, const std::optional<at::Tensor> &sinks) {
-  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &v_cache, &indices}));
-  at::Tensor out = attn_output(q, v_cache);
-  pkv_sparse_args a = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
-                                  sinks, out);
+                                        double softcap, const std::optional<at::Tensor> &sinks, KvFormat kv_format) {
+  c10::cuda::CUDAGuard guard(cuda_device({&q, &k_cache, &indices}));
+  at::Tensor out = attn_output(q, v_cache, kv_format);
+  pkv_sparse_args call = sparse_args(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group, softcap,
+                                     sinks, kv_format, out);
+  pkv_sparse_args a;
+  pkv_error unpack_err{};
+  raise_if_failed(pkv_sparse_unpack(&call, &a, &unpack_err), unpack_err);
   check_args<pkv_sparse_args>(a, pkv_sparse_check,
                               {{&pkv_sparse_args::indices, &indices},
                                {&pkv_sparse_args::k_scales, per_tensor_scale(k_scales)},
                                {&pkv_sparse_args::v_scales, per_tensor_scale(v_scales)}});
   at::Tensor k_scale_groups, v_scale_groups;
-  broadcast_scale(a.k_scales, a.k_cache, quant_group, k_scales, k_scale_groups);
-  broadcast_scale(a.v_scales, a.v_cache, quant_group, v_scales, v_scale_groups);
+  broadcast_scale(a.k_scales, a.k_cache, a.quant_group, k_scales, k_scale_groups);
+  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales, v_scale_groups);
   pkv_error err{};
   raise_if_failed(pkv_cuda_sparse_supported(&a, &err), err);
   // the forced loader (set_cuda_loader) applies here too: cp.async or tma-gather4 for the tiled kernel

@@ -23,30 +23,30 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "paged_store(Tensor key, Tensor? value, Tensor(a!) k_cache, Tensor(b!)? v_cache, "
       "Tensor input_row_offsets, Tensor cache_lengths, Tensor lookup_table, "
-      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, int quant_group=128) -> ()");
+      "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, int quant_group=128, str? kv_format=None) -> ()");
   m.def(
       "paged_load(Tensor cache, Tensor? scales, Tensor lookup_table, Tensor seq_lens, "
-      "Tensor output_row_offsets, Tensor(a!) out, int quant_group=128) -> ()");
+      "Tensor output_row_offsets, Tensor(a!) out, int quant_group=128, str? kv_format=None) -> ()");
   m.def(
-      "flash_attn_paged(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "flash_attn_paged(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor? v_cache, "
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
-      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None, str? kv_format=None) -> Tensor");
   m.def(
-      "flash_attn_paged.out(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "flash_attn_paged.out(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor? v_cache, "
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
-      "float softcap=0.0, Tensor? sinks=None, *, Tensor(a!) out) -> ()");
+      "float softcap=0.0, Tensor? sinks=None, str? kv_format=None, *, Tensor(a!) out) -> ()");
   m.def(
-      "flash_attn_paged_lse(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor v_cache, "
+      "flash_attn_paged_lse(Tensor q, Tensor input_row_offsets, Tensor k_cache, Tensor? v_cache, "
       "Tensor cache_lengths, Tensor lookup_table, float? scale=None, bool causal=True, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, int window_left=-1, "
-      "float softcap=0.0, Tensor? sinks=None) -> (Tensor, Tensor)");
+      "float softcap=0.0, Tensor? sinks=None, str? kv_format=None) -> (Tensor, Tensor)");
   m.def("merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
   m.def(
-      "flash_attn_paged_sparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor indices, float? scale=None, "
+      "flash_attn_paged_sparse(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor indices, float? scale=None, "
       "Tensor? k_scales=None, Tensor? v_scales=None, int quant_group=128, float softcap=0.0, "
-      "Tensor? sinks=None) -> Tensor");
+      "Tensor? sinks=None, str? kv_format=None) -> Tensor");
   // The page manager's copy-on-write block copy (copy_pages.cpp; CPU and CUDA).
   m.def("copy_pages(Tensor(a!) pool, Tensor src_pages, Tensor dst_pages) -> ()");
   // The shared-memory image of one K tile as a CUDA loader writes it (ops_cuda.cpp; CUDA only).

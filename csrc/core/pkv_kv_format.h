@@ -1,0 +1,70 @@
+/* pagedkv core: how a KV cache holds its values (CONTRACT v1.2's kv_format), and the one
+ * place that turns a packed cache into the plain views every kernel already reads.
+ *
+ * A quantized cache is described by four things: a values view (one dtype, [N, P, Hk, D]), its
+ * scales (float32, one per `quant_group` channels of a token and head, or one per tensor), the
+ * group, and, for packed MLA rows, a tail of bfloat16 channels stored at a fixed byte offset
+ * inside each K row. The two packed formats are such descriptors over one uint8 row:
+ *
+ *   fp8_ds_mla  [N, P, 1, 656]: [0, 512) e4m3 latent, [512, 528) four float32 scales (one per 128
+ *               latent channels), [528, 656) 64 bfloat16 rope values (DeepSeek-V3.2's row, as
+ *               FlashMLA and vLLM store it);
+ *   fp8_rope    [N, P, 1, 640]: [0, 512) e4m3 latent, [512, 640) 64 bfloat16 rope; the latent's
+ *               scale is the per-tensor k_scales.
+ *
+ * Logical key (D = 576) = concat(latent * scale, rope); logical value (Dv = 512) = the latent.
+ * The unpack functions below check the packed call (naming the caller's arguments) and return the
+ * same call in plain form: paged_store and paged_load become two plain calls (latent with its
+ * scales, rope without), attention one call whose K and V are the latent view and whose keys
+ * carry the rope as a tail (pkv_attn_args.k_tail_dim / k_tail_offset). Kernels never see a
+ * packed format, only views, scales, a group and a tail.
+ *
+ * Which scale groups each kernel family takes (the plain checks accept any quant_group >= 1):
+ *   CPU store / load / attention, every ISA: any group (groups of a multiple of 32 channels, or one
+ *     per row, take the in-place bf16 dot products; others the converting paths);
+ *   CUDA store / load: groups of a multiple of 8 channels (16-byte chunks); CUDA attention: a group
+ *     of at least D, or a multiple of 16 (csrc/cuda/flash_attn_plan.cu states its refusals). */
+#ifndef PKV_KV_FORMAT_H
+#define PKV_KV_FORMAT_H
+
+#include "pkv_common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  PKV_KV_PLAIN = 0,      /* kv_format=None: a cache of one dtype */
+  PKV_KV_FP8_DS_MLA = 1, /* kv_format="fp8_ds_mla" */
+  PKV_KV_FP8_ROPE = 2,   /* kv_format="fp8_rope" */
+} pkv_kv_format;
+
+/* Channels of the packed MLA rows. */
+#define PKV_MLA_LATENT_DIM 512
+#define PKV_MLA_ROPE_DIM 64
+#define PKV_MLA_KEY_DIM (PKV_MLA_LATENT_DIM + PKV_MLA_ROPE_DIM)
+#define PKV_DS_MLA_GROUP 128
+
+/* Byte layout of one packed row. */
+typedef struct {
+  int64_t row_bytes;     /* the uint8 cache's last dimension */
+  int64_t scales_offset; /* float32 group scales inside the row; -1: the per-tensor k_scales */
+  int64_t rope_offset;   /* the bfloat16 rope */
+} pkv_kv_layout;
+
+/* 1 and the format for "fp8_ds_mla" / "fp8_rope" / NULL (plain); 0 for any other name. */
+int pkv_kv_format_parse(const char *name, pkv_kv_format *format);
+const char *pkv_kv_format_name(pkv_kv_format format);
+/* The row layout of a packed format; NULL for PKV_KV_PLAIN. */
+const pkv_kv_layout *pkv_kv_format_layout(pkv_kv_format format);
+
+/* The plain views of a packed uint8 cache [N, P, 1, row_bytes] (already checked): the e4m3 latent
+ * [N, P, 1, 512], its scales (float32 [N, P, 1, 4] inside the rows, or *per_tensor for fp8_rope)
+ * with *group channels per scale, and the bfloat16 rope [N, P, 1, 64]. */
+void pkv_kv_packed_views(pkv_kv_format format, const pkv_tensor *cache, const pkv_tensor *per_tensor,
+                         pkv_tensor *latent, pkv_tensor *scales, int64_t *group, pkv_tensor *rope);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PKV_KV_FORMAT_H */
