@@ -12,23 +12,13 @@ import pytest
 import torch
 
 import pagedkv
-from conftest import DEVICES, assert_attention_close, assert_bytes_equal, make_batch, randn
+from conftest import DEVICES, assert_attention_close, assert_bytes_equal, make_batch, randn, supported_or_skip
 from pagedkv import reference as ref
 from pagedkv.cache import PagedMLACache
 from pagedkv.kv_formats import KEY_DIM, KV_FORMATS, LATENT_DIM
 
 FORMATS = list(KV_FORMATS)
-CUDA_ATTENTION_REFUSAL = "not supported by the CUDA attention kernels"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def attend_or_skip(device, function, *args, **kwargs):
-    try:
-        return function(*args, **kwargs)
-    except RuntimeError as error:
-        if device == "cuda" and CUDA_ATTENTION_REFUSAL in str(error):
-            pytest.skip(str(error).splitlines()[0])
-        raise
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -94,7 +84,7 @@ def test_store_load_attention_round_trip(device, kv_format):
     lengths = torch.tensor([7, 3, 0], dtype=torch.int32, device=device)
     cache.store(1, randn(gen, (2, 1, KEY_DIM), device=device), None, offsets, lengths, batch.lookup_table)
     q = randn(gen, (3, 16, KEY_DIM), torch.bfloat16, device)
-    out = attend_or_skip(device, cache.attention, 1, q, offsets, lengths, batch.lookup_table, softcap=30.0)
+    out = supported_or_skip(device, cache.attention, 1, q, offsets, lengths, batch.lookup_table, softcap=30.0)
     expected = ref.flash_attn_paged(q.cpu(), offsets.cpu(), cache.k_cache(1).cpu(), None, lengths.cpu(),
                                     batch.lookup_table.cpu(), k_scales=scale, softcap=30.0, kv_format=kv_format)
     assert out.shape == (3, 16, LATENT_DIM)

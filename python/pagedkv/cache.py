@@ -582,9 +582,10 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
         return table.to(self.device)
 
 
-class PagedMLACache(_PagedCacheBase):
-    """DeepSeek MLA keys in packed FP8 rows (CONTRACT v1.2 `kv_format`): one uint8 pool
-    `[N, P, 1, row_bytes]` per layer, 656-byte rows for "fp8_ds_mla" (scales inside the rows) or
+class PagedMLACache(PagedKVCache):
+    """DeepSeek MLA keys in packed FP8 rows (CONTRACT v1.2 `kv_format`): separate pools as
+    `PagedKVCache`, one uint8 K pool `[N, P, 1, row_bytes]` per layer and no V pools or per-token
+    scales: 656-byte rows for "fp8_ds_mla" (scales inside the rows) or
     640-byte rows for "fp8_rope" with one float32 scale per layer (`tensor_scales [L, 1]`, ones until
     set, e.g. to a calibrated value; paged_store only reads it).
 
@@ -613,25 +614,8 @@ class PagedMLACache(_PagedCacheBase):
         device = _check_device(device)
         shape = (num_pages, page_size, 1, layout.row_bytes)
         self.k_pools = [host_alloc.zeros(shape, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        self.v_pools = self.k_scale_pools = self.v_scale_pools = None
         self._init_tensor_scales(device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.k_pools[0].device
-
-    def k_cache(self, layer=0):
-        return self.k_pools[self._check_layer(layer)]
-
-    def v_cache(self, layer=0):
-        self._check_layer(layer)
-        return None
-
-    def k_scales(self, layer=0):
-        return self._tensor_scale(layer, 0)
-
-    def v_scales(self, layer=0):
-        self._check_layer(layer)
-        return None
 
     def _value_views(self, layer, v_head_dim):
         if v_head_dim not in (None, LATENT_DIM):

@@ -2,10 +2,12 @@
 
 A packed cache is uint8 `[N, P, 1, row_bytes]`, one row per token holding a DeepSeek MLA key:
 
-| format       | row bytes | [0, 512)    | then                                                        |
-|--------------|-----------|-------------|-------------------------------------------------------------|
-| `fp8_ds_mla` | 656       | e4m3 latent | [512, 528) four float32 scales (one per 128 latent channels), [528, 656) 64 bfloat16 rope |
-| `fp8_rope`   | 640       | e4m3 latent | [512, 640) 64 bfloat16 rope; the latent's scale is the per-tensor `k_scales` |
+| format       | row bytes | [0, 512)    | then                                                          |
+|--------------|-----------|-------------|---------------------------------------------------------------|
+| `fp8_ds_mla` | 656       | e4m3 latent | [512, 528) four float32 scales (one per 128 latent channels), |
+|              |           |             | [528, 656) 64 bfloat16 rope                                   |
+| `fp8_rope`   | 640       | e4m3 latent | [512, 640) 64 bfloat16 rope; the latent's scale is `k_scales` |
+|              |           |             | (one per-tensor float32 element)                              |
 
 Logical key (D = 576) = concat(latent * scale, rope); logical value (Dv = 512) = the dequantized
 latent. Shared by the ops' wrappers and fakes (output sizes), the cache objects (pool shapes) and

@@ -22,18 +22,6 @@ Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PAGE_SIZES_MLA = [1, 16, 64]
 GQA_HEADS = [16, 128]  # query heads over the one latent head
 ROPE_SCALE = 0.02  # fp8_rope's per-tensor scale in stored caches: N(0, 1) latents reach |x / s| ~ 200
-CUDA_ATTENTION_REFUSAL = "not supported by the CUDA attention kernels"
-
-
-def attend_or_skip(device, op, *args, **kwargs):
-    """Call an attention op; CUDA refuses packed rows for now (CONTRACT v1.2 runs them on CPU). Any
-    exception type: opcheck wraps the op's RuntimeError in its own."""
-    try:
-        return op(*args, **kwargs)
-    except Exception as error:
-        if device == "cuda" and CUDA_ATTENTION_REFUSAL in str(error):
-            pytest.skip(str(error).splitlines()[0])
-        raise
 
 
 def tensor_scale(kv_format, device="cpu", value=ROPE_SCALE):
@@ -256,20 +244,21 @@ def test_attention_matches_reference(device, name, kv_format, q_dtype, page_size
     gen = generator(seed_from("attention", name, kv_format, q_dtype, page_size, heads))
     args, kwargs = attention_call(gen, name, kv_format, q_dtype, page_size, heads, device)
     before = args[2].clone()
-    out = attend_or_skip(device, pagedkv.flash_attn_paged, *args, **kwargs)
+    out = supported_or_skip(device, pagedkv.flash_attn_paged, *args, **kwargs)
     expected, _ = reference_lse(args, kwargs)
     assert out.shape == (args[0].shape[0], heads, LATENT_DIM)
     assert_attention_close(out, expected, q_dtype, f"{name} {kv_format}")
     assert torch.equal(args[2], before)
 
 
+@pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["chunked", "sinks", "window"])
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_lse_and_out_variant(device, name, kv_format):
     gen = generator(seed_from("lse", name, kv_format))
     args, kwargs = attention_call(gen, name, kv_format, torch.float32, 16, 16, device)
-    out, lse = attend_or_skip(device, pagedkv.flash_attn_paged_lse, *args, **kwargs)
+    out, lse = supported_or_skip(device, pagedkv.flash_attn_paged_lse, *args, **kwargs)
     expected, expected_lse = reference_lse(args, kwargs)
     assert_attention_close(out, expected, torch.float32, f"lse {name} {kv_format}")
     assert_lse_close(lse, expected_lse, torch.float32, f"lse {name} {kv_format}")
@@ -288,6 +277,7 @@ def test_default_scale_is_one_over_sqrt_576(kv_format):
     assert torch.equal(out, explicit)
 
 
+@pytest.mark.per_isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -306,7 +296,7 @@ def test_sparse_matches_reference(device, kv_format, q_dtype):
     expected = ref.flash_attn_paged_sparse(q, cache, None, indices, k_scales=scale, softcap=softcap, sinks=sinks,
                                            kv_format=kv_format)
     on = (lambda t: None if t is None else t.to(device))
-    out = attend_or_skip(device, pagedkv.flash_attn_paged_sparse, on(q), on(cache), None, on(indices),
+    out = supported_or_skip(device, pagedkv.flash_attn_paged_sparse, on(q), on(cache), None, on(indices),
                          k_scales=on(scale), softcap=softcap, sinks=on(sinks), kv_format=kv_format)
     assert out.shape == (tokens, heads, LATENT_DIM)
     assert_attention_close(out, expected, q_dtype, f"sparse {kv_format}")
@@ -400,43 +390,47 @@ def bad_reader_calls(kv_format):
     return cases + [("a v_cache", "v_cache", {"v_cache": lambda c: c.clone()})]
 
 
+def reader_call(op, cache, scale, batch, q, change, kv_format):
+    """A call of reader `op` over the packed `cache` with `change` applied; returns a thunk."""
+    k_cache, k_scales = change.get("k_cache", cache), change.get("k_scales", scale)
+    v_cache, v_scales = change.get("v_cache"), change.get("v_scales")
+    kv_format = change.get("kv_format", kv_format)
+    if op == "paged_load":
+        out, offsets = torch.zeros((10, 1, KEY_DIM)), torch.tensor([0, 7, 9], dtype=torch.int32)
+        return lambda: torch.ops.pagedkv.paged_load(k_cache, k_scales, batch.lookup_table, batch.seq_lens, offsets,
+                                                    out, 128, kv_format)
+    if op == "flash_attn_paged_sparse":
+        indices = torch.tensor([[[0, 5, -1]]] * q.shape[0], dtype=torch.int32)
+        return lambda: pagedkv.flash_attn_paged_sparse(q, k_cache, v_cache, indices, k_scales=k_scales,
+                                                       v_scales=v_scales, kv_format=kv_format)
+    args = (q, batch.input_row_offsets, k_cache, v_cache, batch.cache_lengths, batch.lookup_table)
+    kwargs = dict(k_scales=k_scales, v_scales=v_scales, kv_format=kv_format)
+    if op == "flash_attn_paged_lse":
+        return lambda: pagedkv.flash_attn_paged_lse(*args, **kwargs)
+    if op == "flash_attn_paged.out":
+        kwargs["out"] = torch.zeros((q.shape[0], 16, LATENT_DIM))
+    return lambda: pagedkv.flash_attn_paged(*args, **kwargs)
+
+
+# paged_load's names for the arguments (it reads one cache, its `scales`)
+LOAD_ARGUMENTS = {"k_cache": "cache", "k_scales": "scales"}
+
+
 @pytest.mark.parametrize("op", ["paged_load", "flash_attn_paged", "flash_attn_paged_lse", "flash_attn_paged.out",
                                 "flash_attn_paged_sparse"])
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_bad_reader_calls_name_the_argument(kv_format, op):
+    # flash_attn_paged_lse and .out share flash_attn_paged's checks and messages
+    prefix = "flash_attn_paged" if op in ("flash_attn_paged_lse", "flash_attn_paged.out") else op
     for case, argument, change in bad_reader_calls(kv_format):
-        if op == "paged_load" and argument == "v_cache":
-            continue  # paged_load reads one cache
-        cache, scale, batch, key, q = error_setup(kv_format)
-        change = resolve(change, cache, key)
-        kv = change.pop("kv_format", kv_format)
-        k_cache = change.get("k_cache", cache)
-        k_scales = change.get("k_scales", scale)
-        before = cache.clone()
         if op == "paged_load":
-            # the load's scales are its `scales`; its v_scales case is the per-tensor one's
-            if argument == "v_scales":
+            if argument in ("v_cache", "v_scales"):
                 continue
-            argument = {"k_scales": "scales", "k_cache": "cache"}.get(argument, argument)
-            out = torch.zeros((10, 1, KEY_DIM))
-            call = lambda: torch.ops.pagedkv.paged_load(k_cache, k_scales, batch.lookup_table, batch.seq_lens,  # noqa: E731
-                                                        torch.tensor([0, 7, 9], dtype=torch.int32), out, 128, kv)
-        elif op == "flash_attn_paged_sparse":
-            indices = torch.tensor([[[0, 5, -1]]] * q.shape[0], dtype=torch.int32)
-            call = lambda: pagedkv.flash_attn_paged_sparse(q, k_cache, change.get("v_cache"), indices,  # noqa: E731
-                                                           k_scales=k_scales, v_scales=change.get("v_scales"),
-                                                           kv_format=kv)
-        else:
-            args = (q, batch.input_row_offsets, k_cache, change.get("v_cache"), batch.cache_lengths,
-                    batch.lookup_table)
-            kwargs = dict(k_scales=k_scales, v_scales=change.get("v_scales"), kv_format=kv)
-            if op == "flash_attn_paged.out":
-                kwargs["out"] = torch.zeros((q.shape[0], 16, LATENT_DIM))
-            function = pagedkv.flash_attn_paged_lse if op == "flash_attn_paged_lse" else pagedkv.flash_attn_paged
-            call = lambda: function(*args, **kwargs)  # noqa: E731
-        # flash_attn_paged_lse and .out share flash_attn_paged's checks and messages
-        name = "flash_attn_paged" if op.startswith("flash_attn_paged") and "sparse" not in op else op
-        with pytest.raises(RuntimeError, match=rf"{name}: .*\b{argument}\b") as info:
+            argument = LOAD_ARGUMENTS.get(argument, argument)
+        cache, scale, batch, key, q = error_setup(kv_format)
+        call = reader_call(op, cache, scale, batch, q, resolve(change, cache, key), kv_format)
+        before = cache.clone()
+        with pytest.raises(RuntimeError, match=rf"{prefix}: .*\b{argument}\b") as info:
             call()
         assert argument in str(info.value).split(":", 1)[1][:40], f"{op} {case}: {info.value}"
         assert torch.equal(cache, before), f"{op} {case}: the cache changed"
@@ -506,4 +500,4 @@ def test_opcheck(device, kv_format):
         (ops.flash_attn_paged_sparse.default, (q, cache, None, indices), {"k_scales": scale, "kv_format": kv_format}),
     ]
     for op, args, op_kwargs in checks:
-        attend_or_skip(device, torch.library.opcheck, op, args, op_kwargs)
+        supported_or_skip(device, torch.library.opcheck, op, args, op_kwargs)
