@@ -19,11 +19,17 @@
  * carry the rope as a tail (pkv_attn_args.k_tail_dim / k_tail_offset). Kernels never see a
  * packed format, only views, scales, a group and a tail.
  *
- * Which scale groups each kernel family takes (the plain checks accept any quant_group >= 1):
- *   CPU store / load / attention, every ISA: any group (groups of a multiple of 32 channels, or one
- *     per row, take the in-place bf16 dot products; others the converting paths);
- *   CUDA store / load: groups of a multiple of 8 channels (16-byte chunks); CUDA attention: a group
- *     of at least D, or a multiple of 16 (csrc/cuda/flash_attn_plan.cu states its refusals). */
+ * Which scale groups each kernel family takes: every family takes any quant_group >= 1 (the one rule
+ * the checks state); the group only picks the path inside it:
+ *   CPU store, load, attention and sparse attention, every ISA: one scale per row (G >= D) is folded
+ *     into the scores or probabilities, groups of a multiple of 32 channels keep the in-place bf16 dot
+ *     products (pkv_cpu_fp8_dot_groups_ok), other groups the converting float32 paths;
+ *   CUDA store and load: 16-channel chunks at a time where G >= D or G % 16 == 0 (store) / D % 8 == 0
+ *     (load), element by element otherwise;
+ *   CUDA attention: one scale per row staged a tile ahead where G >= D, per element in
+ *     convert_fp8_tile otherwise; the portable kernel per element;
+ *   CUDA sparse attention: the tiled kernel where G >= D or G % 8 == 0, else the portable kernel.
+ */
 #ifndef PKV_KV_FORMAT_H
 #define PKV_KV_FORMAT_H
 

@@ -62,7 +62,7 @@ static int64_t rows_per_item(int64_t heads) {
 
 /* KV heads per item for a row with `rows` new tokens: rows short of a full
  * block (decode) take several heads, up to the same query-vector budget.
- * With AMX tiles (amx_tiles: the AMX table and a 16-bit q and cache) an item
+ * With AMX tiles (amx_tiles: the AMX table, a bf16 q and a bf16 or FP8 cache) an item
  * of >= PKV_CPU_MANY_QUERIES query vectors keeps one KV head: the tile path takes one head per
  * item, and grouping heads would send it to the AVX-512 dot products instead
  * (a 32-query, 4096-key shared prefix, 32/8 heads, 2 threads: 11.8 -> 4.8 ms). */
@@ -121,8 +121,10 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
   int64_t batch = offsets.rows - 1, hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk;
   int64_t rows_max = rows_per_item(heads), count = 0;
-  int amx_tiles = pkv_cpu_kernels_get() == &pkv_cpu_kernels_amx && pkv_dtype_size(a->q.dtype) == 2 &&
-                  pkv_dtype_size(a->k_cache.dtype) <= 2 && pkv_dtype_size(a->v_cache.dtype) <= 2;
+  /* attn_item's amx_exact: bf16 queries over bf16 or FP8 caches */
+  int amx_tiles = pkv_cpu_kernels_get() == &pkv_cpu_kernels_amx && a->q.dtype == PKV_DTYPE_BF16 &&
+                  (a->k_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->k_cache.dtype)) &&
+                  (a->v_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->v_cache.dtype));
   plan->items = NULL;
   plan->num_items = 0;
   plan->splits = NULL;
