@@ -371,15 +371,53 @@ def bench_sparse(timer, cfg, ceil):
 # ----------------------------------------------------------------------------- grid
 
 
+def bench_mla(timer, cfg, ceil):
+    """MLA decode (one latent KV head, D 576 / Dv 512, page P) over a bf16 K-only cache (V a view of K's
+    first 512 channels) and the same keys as packed fp8_ds_mla rows (656 bytes per token): times and
+    the bytes read as a share of the copy ceiling (FlashMLA publishes ~3000 GB/s on an H800)."""
+    b, L, hq, page = cfg["B"], cfg["L"], cfg["Hq"], cfg["P"]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    pages = L // page
+    table = torch.randperm(b * pages, device=DEV, generator=g).to(torch.int32).view(b, pages)
+    keys = (torch.randn((b * pages * page, 1, 576), device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    k_bf16 = keys.view(b * pages, page, 1, 576)
+    k_ds = torch.zeros((b * pages, page, 1, 656), dtype=torch.uint8, device=DEV)
+    every = torch.arange(b * pages, dtype=torch.int32, device=DEV).view(1, -1)
+    ops.paged_store(keys, None, k_ds, None, torch.tensor([0, b * pages * page], dtype=torch.int32, device=DEV),
+                    torch.zeros(1, dtype=torch.int32, device=DEV), every, kv_format="fp8_ds_mla")
+    q = torch.randn((b, hq, 576), device=DEV, dtype=torch.bfloat16)
+    offs = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+    cached = torch.full((b,), L - 1, dtype=torch.int32, device=DEV)
+    out = torch.empty((b, hq, 512), device=DEV, dtype=torch.bfloat16)
+    res = {"op": "mla", **{k: v for k, v in cfg.items()}}
+    for name, k, v, fmt_name, row_bytes in (("bf16", k_bf16, k_bf16[..., :512], None, 1152),
+                                            ("fp8_ds_mla", k_ds, None, "fp8_ds_mla", 656)):
+        def run():
+            ops.flash_attn_paged.out(q, offs, k, v, cached, table, None, True, None, None, 128, -1, 0.0, None,
+                                     fmt_name, out=out)
+        try:
+            t = timer.graph(run)
+        except RuntimeError as error:  # a kernel refusal is reported, not fatal
+            res[f"{name}_error"] = str(error).splitlines()[0]
+            continue
+        io = b * L * row_bytes + 2 * q.numel() * 2
+        res.update({f"{name}_graph_s": t, f"{name}_bytes": io, f"{name}_bw_frac_of_copy": io / t / ceil["copy_bytes_per_s"]})
+    del k_bf16, k_ds, keys
+    torch.cuda.empty_cache()
+    return res
+
+
 def grid_issue22():
     """Issue 22's shapes: decode B=32 L=8k Hq/Hk 32/8 D 128 (bf16 and FP8, page 16, with every peer;
-    bf16 at pages 1, 64, 256), prefill B=8 L=4k causal against SDPA's flash backend."""
+    bf16 at pages 1, 64, 256), prefill B=8 L=4k causal against SDPA's flash backend; and MLA decode
+    B=32 L=4k (Hq 16 and 128) over bf16 K-only and fp8_ds_mla caches."""
     main = dict(B=32, L=8192, Hq=32, Hk=8, D=128, P=16, id="I22-dec")
     dec = [dict(main, dtype=dt) for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)]
     dec += [dict(main, P=p, dtype=torch.bfloat16, id="I22-page", no_flex=True) for p in (1, 64, 256)]
     pre = [dict(B=8, L=4096, Hq=32, Hk=8, D=128, P=16, id="I22-pre")]
     sl = [dict(T=131072, dtype=dt, id="S/L") for dt in (torch.bfloat16, torch.float8_e4m3fn)]
-    return dec, pre, sl, []
+    mla = [dict(B=32, L=4096, Hq=hq, P=64, id="MLA-dec") for hq in (16, 128)]  # issue 47's MLA decode
+    return dec, pre, sl, [], mla
 
 
 def grid(quick):
@@ -406,9 +444,11 @@ def grid(quick):
     sp = [dict(B=b, L=65536, K=2048, Hq=32, Hk=8, D=128, P=16, dtype=dt, id="SP-topk") for b in (1, 8)
           for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     sp += [dict(B=8, L=65536, K=2048, Hq=16, Hk=1, D=576, P=64, dtype=torch.bfloat16, id="SP-mla")]
+    # MLA decode, one latent head (issue 47): Hq 16 and 128, page 64
+    mla = [dict(B=b, L=L, Hq=hq, P=64, id="MLA-dec") for hq in (16, 128) for b, L in ((32, 4096), (8, 16384))]
     if quick:
-        dec, pre, sl, sp = dec[:3] + dec[-2:], pre[:2], sl[:2], sp[:1]
-    return dec, pre, sl, sp
+        dec, pre, sl, sp, mla = dec[:3] + dec[-2:], pre[:2], sl[:2], sp[:1], mla[:1]
+    return dec, pre, sl, sp, mla
 
 
 def git_commit():
@@ -449,6 +489,11 @@ def write_results(out, meta, ceil, rows):
                         + "".join(f" ({n} {fmt(r[n + '_s'], 1e3, 'ms')})" for n in PREFILL_PATHS if r.get(n + "_s"))
                         + f" | - | {r['tflops']:.0f} TFLOP/s | "
                         f"{fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')} | - | - |\n")
+            elif r["op"] == "mla":
+                cells = [f"{n} {fmt(r.get(n + '_graph_s'))} ({100 * r[n + '_bw_frac_of_copy']:.0f}%)"
+                         if n + "_graph_s" in r else f"{n}: refused" for n in ("bf16", "fp8_ds_mla")]
+                f.write(f"| {r['id']} | MLA decode | B={r['B']} L={r['L']} Hq={r['Hq']} P={r['P']} | "
+                        f"{', '.join(cells)} | graph | % of copy in the cells | - | - | - |\n")
             elif r["op"] == "sparse":
                 bw = "-" if r["best_bw_frac_of_copy"] is None else f"{100 * r['best_bw_frac_of_copy']:.0f}%"
                 f.write(f"| {r['id']} | sparse {r['dtype'].replace('torch.', '')} | B={r['B']} K={r['K']} of "
@@ -476,7 +521,7 @@ def main():
             "loaders": [n for i, n in enumerate(pagedkv._C.cuda_loader_names)
                         if pagedkv._C.cuda_loader_available(0, i)], "method": __doc__.strip().split("\n\n")[1]}
     print(json.dumps(meta, indent=1))
-    dec, pre, sl, sp = grid_issue22() if args.issue22 else grid(args.quick)
+    dec, pre, sl, sp, mla = grid_issue22() if args.issue22 else grid(args.quick)
     rows = []
     for cfg in dec:
         r = bench_decode(timer, cfg, ceil)
@@ -511,6 +556,14 @@ def main():
         print(f"{r['id']:8s} sparse {r['dtype']:20s} B={r['B']} K={r['K']} of L={r['L']} D={r['D']} graph: "
               f"cp.async {fmt(r['sparse_cp.async_s'])} gather4 {fmt(r['sparse_tma-gather4_s'])} "
               f"portable {fmt(r['sparse_portable_s'])} (best {bw} of copy) | dense {fmt(r.get('dense_s'))}",
+              flush=True)
+    for cfg in mla:
+        r = bench_mla(timer, cfg, ceil)
+        rows.append(r)
+        write_results(args.out, meta, ceil, rows)
+        print(f"{r['id']:8s} mla B={r['B']} L={r['L']} Hq={r['Hq']} P={r['P']} graph: "
+              + " | ".join(f"{n} {fmt(r.get(n + '_graph_s'))} ({100 * r[n + '_bw_frac_of_copy']:.0f}% of copy)"
+                           if n + "_graph_s" in r else f"{n}: {r.get(n + '_error')}" for n in ("bf16", "fp8_ds_mla")),
               flush=True)
     print(f"wrote {args.out}/bench_gpu.json and bench_gpu.md")
 

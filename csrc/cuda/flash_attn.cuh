@@ -18,6 +18,10 @@ bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_vie
 // The tensor maps the TMA loaders read K and V through; nothing for cp.async (flash_attn_plan.cu).
 cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v, CUtensorMap *kmap,
                         CUtensorMap *vmap);
+// The portable kernel (flash_attn_paged_portable.cu): whether it takes these head sizes (q's D and Dv up
+// to 576), and its launch (one warp per query row and head; K tails, any D and Dv).
+int attn_portable_fits(const pkv_attn_args *a);
+cudaError_t launch_attn_portable(const pkv_attn_args *a, cudaStream_t stream);
 // PTX version the device's binary holds for the loader's kernel, 0 when none (flash_attn_paged.cu).
 int loader_kernel_ptx_version(pkv_loader loader);
 

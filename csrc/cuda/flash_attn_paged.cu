@@ -120,6 +120,7 @@ extern "C" {
 cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan, float *partial_out,
                           float *partial_lse, cudaStream_t stream) {
   using namespace pkv;
+  if (plan->portable) return launch_attn_portable(a, stream);
   AttnParams p{};
   p.q = pkv_rows_view_from(&a->q);
   p.out = pkv_rows_view_from(&a->out);

@@ -114,11 +114,6 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
                                    pkv_error *err) {
   const char *op = "flash_attn_paged";
   const pkv_dtype qd = a->q.dtype, kd = a->k_cache.dtype, vd = a->v_cache.dtype;
-  if (a->k_tail_dim != 0)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "%s: packed MLA rows (kv_format='fp8_ds_mla' / 'fp8_rope') are not supported by the CUDA "
-                    "attention kernels yet (paged_store and paged_load are; attention runs on CPU tensors)",
-                    op);
   // a float32 cache first: with it the shim passes float32 queries on as they are, and the q message
   // below would blame them
   if (kd == PKV_DTYPE_F32 || vd == PKV_DTYPE_F32)
@@ -139,12 +134,14 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
                     "float8_e4m3fn/float8_e5m2)",
                     op, pkv_dtype_name(kd), pkv_dtype_name(qd));
   const int64_t d = a->k_cache.sizes[3], dv = a->v_cache.sizes[3];
-  if (d != dv)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: D = %lld != Dv = %lld is not supported on CUDA", op, (long long)d,
-                    (long long)dv);
-  if (d != 64 && d != 96 && d != 128 && d != 256)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: head size %lld is not supported on CUDA (64, 96, 128 or 256)", op,
-                    (long long)d);
+  // The tiled kernels take D == Dv of 64, 96, 128 or 256 without a K tail; the portable one the rest
+  // (MLA's 576 / 512 and packed rows) up to 576
+  const bool portable = a->k_tail_dim != 0 || d != dv || (d != 64 && d != 96 && d != 128 && d != 256);
+  if (portable && !pkv::attn_portable_fits(a))
+    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                    "%s: head sizes D = %lld, Dv = %lld are not supported on CUDA (D == Dv of 64, 96, 128 or 256, "
+                    "or any D and Dv up to 576)",
+                    op, (long long)a->q.sizes[2], (long long)dv);
   if (a->q.sizes[0] > (int64_t(1) << 31) / 2)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: more than 2^30 query rows are not supported on CUDA", op);
 
@@ -155,6 +152,21 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   if (major < 8)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
                     op, major);
+  if (portable) {
+    // (a forced loader is a test's request for tiles: the portable kernel loads none)
+    if (force_loader >= 0)
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                      "%s: loader %s does not fit this call on CUDA (it runs on the portable kernel, which loads "
+                      "no tiles)",
+                      op, pkv_loader_name(static_cast<pkv_loader>(force_loader)));
+    *plan = pkv_cuda_attn_plan{};
+    plan->device = device;
+    plan->num_sms = sms;
+    plan->loader = PKV_LOADER_CP_ASYNC;
+    plan->num_splits = 1;
+    plan->portable = 1;
+    return PKV_OK;
+  }
 
   pkv_loader loader = PKV_LOADER_CP_ASYNC;
   CUtensorMap kmap, vmap;
@@ -203,6 +215,7 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
   plan->fp8_k_fragments = settings.cuda_fp8_k_fragments;
   plan->prefill_rows32 = settings.cuda_prefill_rows32;
+  plan->portable = 0;
   return PKV_OK;
 }
 

@@ -26,6 +26,9 @@ struct SparseParams {
   int64_t sinks_stride;
   int64_t group, quant_group;  // Hq / Hk; channels per FP8 scale
   float score_scale, softcap;  // scale; softcap (0: off)
+  // packed MLA rows (portable kernel only): keys have k_tail_dim more bfloat16 channels than k's D,
+  // k_tail_offset bytes after each K row's start (pkv_attn_args.k_tail_dim)
+  int64_t k_tail_dim, k_tail_offset, k_elem_bytes;
 };
 
 // ---------------------------------------------------------------- the tiled kernel

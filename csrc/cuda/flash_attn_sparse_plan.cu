@@ -36,6 +36,9 @@ SparseParams sparse_params(const pkv_sparse_args *a) {
   p.quant_group = a->quant_group;
   p.score_scale = static_cast<float>(a->scale);
   p.softcap = static_cast<float>(a->softcap);
+  p.k_tail_dim = a->k_tail_dim;
+  p.k_tail_offset = a->k_tail_offset;
+  p.k_elem_bytes = static_cast<int64_t>(pkv_dtype_size(a->k_cache.dtype));
   return p;
 }
 
@@ -54,6 +57,7 @@ bool v_is_k_prefix(const SparseParams &s) {
 // Why the tiled kernel cannot serve these arguments, or null when it can (the loader aside).
 const char *tiled_refusal(const SparseParams &s) {
   const pkv_dtype kd = s.k.dtype;
+  if (s.k_tail_dim != 0) return "packed MLA rows (the portable kernel reads their rope)";
   if (kd != s.v.dtype) return "K and V of different dtypes";
   if (kd != PKV_DTYPE_BF16 && kd != PKV_DTYPE_F16 && !pkv_dtype_is_fp8(kd)) return "a float32 cache";
   bool dims = false;
@@ -113,10 +117,6 @@ bool portable_forced() { return pkv_settings_get().cuda_sparse == PKV_CUDA_SPARS
 extern "C" {
 
 pkv_status pkv_cuda_sparse_supported(const pkv_sparse_args *a, pkv_error *err) {
-  if (a->k_tail_dim != 0)
-    return pkv_fail(err, PKV_ERR_UNSUPPORTED,
-                    "flash_attn_paged_sparse: packed MLA rows (kv_format='fp8_ds_mla' / 'fp8_rope') are not "
-                    "supported by the CUDA kernels yet (attention over them runs on CPU tensors)");
   if (a->v_cache.sizes[3] > pkv::kSparsePortableMaxDv)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED,
                     "flash_attn_paged_sparse: value head size %lld is not supported on CUDA (at most %d)",

@@ -32,7 +32,7 @@ __device__ __forceinline__ float cache_value(const pkv_cache_view &c, const pkv_
 
 __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const __grid_constant__ SparseParams p) {
   const int lane = threadIdx.x & 31;
-  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dv = p.v.head_dim;
+  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dk = p.k.head_dim, dv = p.v.head_dim;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kSparseThreads / kWarp) + (threadIdx.x >> 5);
   if (item >= p.q.num_rows * hq) return;  // warp-uniform
   const int64_t t = item / hq, head = item % hq, kvh = head / p.group, list = p.ix_heads == 1 ? 0 : kvh;
@@ -50,11 +50,17 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const _
     if (token < 0 || token >= tokens) continue;  // warp-uniform
     const int64_t koff = pkv_cache_token_offset(&p.k, token, kvh);
     float dot = 0.0f;
-    for (int c = lane; c < d_shared; c += kWarp)
+    for (int c = lane; c < d_shared && c < dk; c += kWarp)
       dot += qs[c] * cache_value(p.k, p.k_scales, koff, token, kvh, c, p.quant_group);
-    for (int64_t c = lane + kSparseSharedD; c < d; c += kWarp)
+    for (int64_t c = lane + kSparseSharedD; c < dk; c += kWarp)
       dot += pkv_load_f32(p.q.data, q_off + c, p.q.dtype) * cache_value(p.k, p.k_scales, koff, token, kvh, c,
                                                                         p.quant_group);
+    if (p.k_tail_dim > 0) {  // packed MLA rows: the rope, bfloat16 at a byte offset in the row (d = dk + tail)
+      const char *tail = static_cast<const char *>(p.k.data) + koff * p.k_elem_bytes + p.k_tail_offset;
+      for (int64_t c = dk + lane; c < d; c += kWarp)
+        dot += (c < d_shared ? qs[c] : pkv_load_f32(p.q.data, q_off + c, p.q.dtype)) *
+               pkv_load_f32(tail, c - dk, PKV_DTYPE_BF16);
+    }
     dot = warp_sum(dot) * p.score_scale;
     const float s = (p.softcap > 0.0f ? p.softcap * tanhf(dot / p.softcap) : dot) * 1.4426950408889634f;
     const float m_new = s > m || s != s ? s : m;

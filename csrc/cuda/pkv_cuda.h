@@ -61,6 +61,7 @@ typedef struct {
   int64_t partial_lse_floats; /* [num_splits, T, Hq] */
   int fp8_k_fragments;        /* the opt-in paths of the settings (pkv_settings.h), read with the plan */
   int prefill_rows32;
+  int portable;               /* 1: the portable kernel (flash_attn_paged_portable.cu: MLA, K tails, other heads) */
 } pkv_cuda_attn_plan;
 
 /* force_loader: -1 picks the best available; otherwise that loader or an error. */
