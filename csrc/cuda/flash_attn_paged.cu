@@ -132,7 +132,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.lengths = pkv_index_view_from(&a->cache_lengths);
   p.table = pkv_index_view_from(&a->lookup_table);
   p.num_rows = a->q.sizes[0];
-  p.group = a->q.sizes[1] / a->k_cache.sizes[2];
+  p.heads_per_kv = a->q.sizes[1] / a->k_cache.sizes[2];
   p.quant_group = a->quant_group;
   p.window_left = a->window_left;
   p.rows_per_page = pkv_cache_rows_per_page(&p.k);
@@ -177,11 +177,11 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per batch row
   // on average, so decode rows keep the 64-row tiles and their key split) on 16-bit caches with D <= 128
   const bool rows32 = plan->prefill_rows32 && !fp8 && d <= 128 &&
-                      p.num_rows * p.group >= kAttnRowsM32 * batch;
+                      p.num_rows * p.heads_per_kv >= kAttnRowsM32 * batch;
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
   // ones with the key split on an H200, 2026-11-27: removed)
-  const int64_t tiles_upper = (p.num_rows * p.group + rows_m - 1) / rows_m + batch;
+  const int64_t tiles_upper = (p.num_rows * p.heads_per_kv + rows_m - 1) / rows_m + batch;
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
             static_cast<unsigned>(plan->num_splits));

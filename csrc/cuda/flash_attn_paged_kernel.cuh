@@ -23,8 +23,8 @@ __device__ __noinline__ int masked_mixed_nonfinite(const AttnParams &p, uint8_t 
                                                   bool key_split, bool warp_ready) {
   constexpr int kUnits = D / 8;
   int64_t lo_first, hi_first, lo_last, hi_last;
-  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_first, &hi_first);
-  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &lo_last,
+  pkv_visible_keys(cached + tile_first / p.heads_per_kv, total, p.causal, p.window_left, &lo_first, &hi_first);
+  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.heads_per_kv, total, p.causal, p.window_left, &lo_last,
                    &hi_last);
   if (warp_ready) __syncthreads();  // every warp's rows, not only its own
   const bool any = rows_nonfinite<T, BN, kAttnThreads>(vtile, kUnits, tile_key0, lo_first, lo_last, hi_first, hi_last,
@@ -37,7 +37,7 @@ __device__ __noinline__ int masked_mixed_nonfinite(const AttnParams &p, uint8_t 
       const int r = (key_split ? 0 : (warp * kMB + mb) * 16) + (lane >> 2) + 8 * i;
       if (r >= tile_rows) continue;
       int64_t lo, hi;
-      pkv_visible_keys(cached + (tile_first + r) / p.group, total, p.causal, p.window_left, &lo, &hi);
+      pkv_visible_keys(cached + (tile_first + r) / p.heads_per_kv, total, p.causal, p.window_left, &lo, &hi);
       for (int k = 0; k < BN; k++)
         if (tile_key0 + k >= lo && tile_key0 + k < hi && row_nonfinite<T, BN>(vtile, kUnits, k))
           poisoned |= 1 << (2 * mb + i);
@@ -72,13 +72,13 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   int64_t total = cached + n_new;
   const int64_t table_keys = p.table.cols * page_size;
   total = total < table_keys ? total : table_keys;  // keys past the table do not exist
-  const int64_t packed_total = n_new * p.group;
+  const int64_t packed_total = n_new * p.heads_per_kv;
   const int64_t tile_first = tile * BM;
   const int tile_rows = static_cast<int>(packed_total - tile_first < BM ? packed_total - tile_first : BM);
   // keys any row of the tile may see: lo of its first row, hi of its last
   int64_t lo_tile, hi_tile, hi_first, lo_last;
-  pkv_visible_keys(cached + tile_first / p.group, total, p.causal, p.window_left, &lo_tile, &hi_first);
-  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.group, total, p.causal, p.window_left, &lo_last,
+  pkv_visible_keys(cached + tile_first / p.heads_per_kv, total, p.causal, p.window_left, &lo_tile, &hi_first);
+  pkv_visible_keys(cached + (tile_first + tile_rows - 1) / p.heads_per_kv, total, p.causal, p.window_left, &lo_last,
                    &hi_tile);
   const int64_t kt_begin = lo_tile / BN;
   const int64_t kt_end = hi_tile > lo_tile ? (hi_tile + BN - 1) / BN : kt_begin;
@@ -112,7 +112,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < tile_rows) {
         const int64_t gp = tile_first + r;
-        const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
+        const int64_t row = row_start + gp / p.heads_per_kv, head = kv_head * p.heads_per_kv + gp % p.heads_per_kv;
         const T *src = qbase + row * p.q.stride_row + head * p.q.stride_head + j * 8;
         if (p.q_aligned) {
           v = __ldg(reinterpret_cast<const uint4 *>(src));
@@ -152,7 +152,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
     for (int i = 0; i < 2; i++) {
       const int r = qrow0(mb) + (lane >> 2) + 8 * i;
       valid_r[mb][i] = r < tile_rows;
-      const int64_t pos = cached + (tile_first + (valid_r[mb][i] ? r : 0)) / p.group;
+      const int64_t pos = cached + (tile_first + (valid_r[mb][i] ? r : 0)) / p.heads_per_kv;
       pkv_visible_keys(pos, total, p.causal, p.window_left, &lo_r[mb][i], &hi_r[mb][i]);
       if (!valid_r[mb][i]) hi_r[mb][i] = lo_r[mb][i];  // sees nothing
       row_max[mb][i] = -INFINITY;
@@ -507,7 +507,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       if (!valid_r[mb][i]) continue;
       const int r = qrow0(mb) + (lane >> 2) + 8 * i;
       const int64_t gp = tile_first + r;
-      const int64_t row = row_start + gp / p.group, head = kv_head * p.group + gp % p.group;
+      const int64_t row = row_start + gp / p.heads_per_kv, head = kv_head * p.heads_per_kv + gp % p.heads_per_kv;
       if (p.num_splits == 1) {
         // the sink joins here; a NaN sum (a NaN or +inf score) stays NaN (pkv_softmax_finish)
         float inv, lse;

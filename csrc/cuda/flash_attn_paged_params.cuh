@@ -47,7 +47,7 @@ struct AttnParams {
   pkv_index_view lengths;  // [B] cache_lengths
   pkv_index_view table;    // [B, max_pages]
   int64_t num_rows;        // T
-  int64_t group;           // Hq / Hk
+  int64_t heads_per_kv;    // Hq / Hk: query heads per KV head (GQA)
   int64_t quant_group;
   int64_t window_left;
   int64_t rows_per_page;   // stride_page / stride_token (gather4 rows)
@@ -80,7 +80,7 @@ template <int kBM>
 __device__ __forceinline__ int64_t tiles_of(const AttnParams &p, int64_t b) {
   int64_t s, n;
   batch_rows(p, b, &s, &n);
-  return (n * p.group + kBM - 1) / kBM;
+  return (n * p.heads_per_kv + kBM - 1) / kBM;
 }
 
 // CTA x handles tile `tile` of batch row `b`: a block-wide scan of the tile
@@ -140,16 +140,16 @@ template <typename T>
 __device__ void zero_padding_rows(const AttnParams &p, int64_t kv_head, int dv) {
   int64_t first = pkv_index_at(&p.offsets, p.offsets.rows - 1);
   first = first < 0 ? 0 : first;
-  const int64_t heads = p.group;
+  const int64_t heads = p.heads_per_kv;
   for (int64_t r = first + blockIdx.x; r < p.num_rows; r += gridDim.x) {
     for (int64_t i = threadIdx.x; i < heads * dv; i += kAttnThreads) {
-      const int64_t h = kv_head * p.group + i / dv, c = i % dv;
+      const int64_t h = kv_head * p.heads_per_kv + i / dv, c = i % dv;
       T *dst = static_cast<T *>(p.out.data) + r * p.out.stride_row + h * p.out.stride_head + c;
       *reinterpret_cast<uint16_t *>(dst) = 0;
     }
     if (p.lse)
       for (int64_t i = threadIdx.x; i < heads; i += kAttnThreads)
-        p.lse[r * p.lse_stride_row + (kv_head * p.group + i) * p.lse_stride_head] = -INFINITY;
+        p.lse[r * p.lse_stride_row + (kv_head * p.heads_per_kv + i) * p.lse_stride_head] = -INFINITY;
   }
 }
 

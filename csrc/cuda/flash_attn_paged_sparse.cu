@@ -178,9 +178,9 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
   const SparseSmem &L = p.smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t = blockIdx.x, kvh = blockIdx.y;
-  const int heads_left = static_cast<int>(s.group - static_cast<int64_t>(blockIdx.z) * kMaxHeads);
+  const int heads_left = static_cast<int>(s.heads_per_kv - static_cast<int64_t>(blockIdx.z) * kMaxHeads);
   const int heads = heads_left < p.heads_per_cta ? heads_left : p.heads_per_cta;
-  const int64_t head0 = kvh * s.group + static_cast<int64_t>(blockIdx.z) * kMaxHeads;  // first query head
+  const int64_t head0 = kvh * s.heads_per_kv + static_cast<int64_t>(blockIdx.z) * kMaxHeads;  // first query head
   const int32_t *list = s.indices + t * s.ix_stride_t + (s.ix_heads == 1 ? 0 : kvh) * s.ix_stride_h;
   const int64_t tokens = pkv_cache_tokens(&s.k);
   const int64_t n_tiles = (s.ix_count + kTileRows - 1) / kTileRows;
@@ -484,7 +484,7 @@ cudaError_t dispatch_head_dims(const TiledParams &p, pkv_loader loader, const CU
 cudaError_t launch_sparse_tiled(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
                                 const CUtensorMap &vmap, cudaStream_t stream) {
   const SparseParams &s = p.s;
-  const int64_t chunks = (s.group + kMaxHeads - 1) / kMaxHeads;
+  const int64_t chunks = (s.heads_per_kv + kMaxHeads - 1) / kMaxHeads;
   if (s.q.num_rows > 0x7fffffff || s.k.num_heads > 65535 || chunks > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(s.q.num_rows), static_cast<unsigned>(s.k.num_heads),
                   static_cast<unsigned>(chunks));

@@ -191,8 +191,8 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   // Split-KV only when (estimated) tiles x KV heads leave SMs idle. Estimated
   // from shapes: index values live on the device and are never read here.
   const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
-  const int64_t batch = a->cache_lengths.sizes[0], group = hq / hk;
-  int64_t tiles = (t * group + pkv::kAttnRowsM - 1) / pkv::kAttnRowsM;
+  const int64_t batch = a->cache_lengths.sizes[0], heads_per_kv = hq / hk;
+  int64_t tiles = (t * heads_per_kv + pkv::kAttnRowsM - 1) / pkv::kAttnRowsM;
   tiles = tiles > batch ? tiles : batch;
   const int64_t ctas = (tiles > 0 ? tiles : 1) * hk;
   const int64_t max_key_tiles =

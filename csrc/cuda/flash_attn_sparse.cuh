@@ -24,7 +24,7 @@ struct SparseParams {
   int64_t ix_stride_t, ix_stride_h, ix_stride_k, ix_heads, ix_count;
   const float *sinks;  // [Hq] or null
   int64_t sinks_stride;
-  int64_t group, quant_group;  // Hq / Hk; channels per FP8 scale
+  int64_t heads_per_kv, quant_group;  // Hq / Hk; channels per FP8 scale
   float score_scale, softcap;  // scale; softcap (0: off)
   // packed MLA rows (portable kernel only): keys have k_tail_dim more bfloat16 channels than k's D,
   // k_tail_offset bytes after each K row's start (pkv_attn_args.k_tail_dim)

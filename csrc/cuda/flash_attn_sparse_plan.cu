@@ -32,7 +32,7 @@ SparseParams sparse_params(const pkv_sparse_args *a) {
     p.sinks = static_cast<const float *>(a->sinks.data);
     p.sinks_stride = a->sinks.strides[0];
   }
-  p.group = a->q.sizes[1] / a->k_cache.sizes[2];
+  p.heads_per_kv = a->q.sizes[1] / a->k_cache.sizes[2];
   p.quant_group = a->quant_group;
   p.score_scale = static_cast<float>(a->scale);
   p.softcap = static_cast<float>(a->softcap);
@@ -86,8 +86,8 @@ cudaError_t encode_sparse_maps(const SparseParams &s, bool v_from_k, CUtensorMap
 TiledParams tiled_params(const SparseParams &s) {
   TiledParams p{};
   p.s = s;
-  const int64_t group = s.group;
-  p.heads_per_cta = static_cast<int>(group < kMaxHeads ? group : kMaxHeads);
+  const int64_t heads = s.heads_per_kv;
+  p.heads_per_cta = static_cast<int>(heads < kMaxHeads ? heads : kMaxHeads);
   p.v_from_k = v_is_k_prefix(s);
   const bool fp8 = pkv_dtype_is_fp8(s.k.dtype);
   const int es = fp8 ? 1 : 2;

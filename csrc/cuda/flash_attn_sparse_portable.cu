@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const _
   const int64_t hq = p.q.num_heads, d = p.q.head_dim, dk = p.k.head_dim, dv = p.v.head_dim;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kSparseThreads / kWarp) + (threadIdx.x >> 5);
   if (item >= p.q.num_rows * hq) return;  // warp-uniform
-  const int64_t t = item / hq, head = item % hq, kvh = head / p.group, list = p.ix_heads == 1 ? 0 : kvh;
+  const int64_t t = item / hq, head = item % hq, kvh = head / p.heads_per_kv, list = p.ix_heads == 1 ? 0 : kvh;
   const int64_t tokens = pkv_cache_tokens(&p.k), q_off = t * p.q.stride_row + head * p.q.stride_head;
   __shared__ float q_shared[kSparseThreads / kWarp][kSparseSharedD];
   float *qs = q_shared[threadIdx.x >> 5];

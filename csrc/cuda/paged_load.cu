@@ -21,7 +21,7 @@ struct LoadParams {
   pkv_index_view offsets;  // [B+1] output_row_offsets
   pkv_index_view lengths;  // [B] seq_lens
   pkv_index_view table;    // [B, max_pages]
-  int64_t group;
+  int64_t quant_group;  // channels per FP8 scale
 };
 
 // Output row `row` -> its cache slot (the batch row b whose block [offsets[b], offsets[b+1]) holds
@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_8(const LoadParams &p, int64_t src, int64_t
   load8<kSrc>(p.cache.data, src + c, v);
   if constexpr (kFp8) {
 #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] *= __ldg(scales + (c + k) / p.group);
+    for (int k = 0; k < 8; k++) v[k] *= __ldg(scales + (c + k) / p.quant_group);
   }
   store8<kDst>(p.out.data, dst + c, v);
 }
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constan
                                : nullptr;
     for (int64_t i = lane; i < d; i += 32) {
       float v = pkv_load_f32(p.cache.data, src + i, kSrc);
-      if constexpr (kFp8) v *= __ldg(scales + i / p.group);
+      if constexpr (kFp8) v *= __ldg(scales + i / p.quant_group);
       pkv_store_f32(p.out.data, dst + i, kDst, v);
     }
   }
@@ -143,7 +143,7 @@ cudaError_t pkv_cuda_load(const pkv_load_args *a, cudaStream_t stream) {
   p.offsets = pkv_index_view_from(&a->output_row_offsets);
   p.lengths = pkv_index_view_from(&a->seq_lens);
   p.table = pkv_index_view_from(&a->lookup_table);
-  p.group = a->quant_group;
+  p.quant_group = a->quant_group;
   if (p.lengths.rows == 0) return cudaSuccess;
   const int64_t ces = static_cast<int64_t>(pkv_dtype_size(p.cache.dtype));
   const int64_t oes = static_cast<int64_t>(pkv_dtype_size(p.out.dtype));

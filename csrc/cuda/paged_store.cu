@@ -32,7 +32,7 @@ struct StoreParams {
   pkv_index_view lengths;  // [B]
   pkv_index_view table;    // [B, max_pages]
   int64_t num_rows;        // T = key.size(0)
-  int64_t group;           // quant_group
+  int64_t quant_group;     // channels per FP8 scale
 };
 
 // The page slot token row `row` goes to, or false when it is skipped.
@@ -109,7 +109,7 @@ __device__ void store_unit(const StoreParams &p, const StoreJob &job, int64_t ro
       return;
     }
     float *scales = static_cast<float *>(job.scales.data) + pkv_cache_offset(&job.scales, page, slot, head);
-    const int64_t g = p.group;
+    const int64_t g = p.quant_group;
     if constexpr (kVec) {
       // Chunks of 16 elements; the host guarantees G % 16 == 0 or G >= D, so
       // a chunk never straddles two groups.
@@ -231,7 +231,7 @@ cudaError_t dispatch_dst(const StoreParams &p, pkv_dtype dst, bool vec, cudaStre
 }
 
 cudaError_t dispatch_store(const StoreParams &p, cudaStream_t stream) {
-  const bool vec = job_vectorizable(p.job[0], p.group) && (p.num_jobs < 2 || job_vectorizable(p.job[1], p.group));
+  const bool vec = job_vectorizable(p.job[0], p.quant_group) && (p.num_jobs < 2 || job_vectorizable(p.job[1], p.quant_group));
   switch (p.job[0].src.dtype) {
   case PKV_DTYPE_F32: return dispatch_dst<PKV_DTYPE_F32>(p, p.job[0].cache.dtype, vec, stream);
   case PKV_DTYPE_F16: return dispatch_dst<PKV_DTYPE_F16>(p, p.job[0].cache.dtype, vec, stream);
@@ -267,7 +267,7 @@ cudaError_t pkv_cuda_store(const pkv_store_args *a, cudaStream_t stream) {
   p.lengths = pkv_index_view_from(&a->cache_lengths);
   p.table = pkv_index_view_from(&a->lookup_table);
   p.num_rows = a->key.sizes[0];
-  p.group = a->quant_group;
+  p.quant_group = a->quant_group;
   if (p.lengths.rows == 0 || p.num_rows == 0) return cudaSuccess;
   StoreJob k = make_job(a->key, a->k_cache, a->k_scales);
   p.job[0] = k;
