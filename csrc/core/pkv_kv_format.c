@@ -64,6 +64,19 @@ void pkv_kv_packed_views(pkv_kv_format format, const pkv_tensor *cache, const pk
   }
 }
 
+pkv_kv_cache pkv_kv_cache_from(const pkv_tensor *values, const pkv_tensor *scales, int64_t group, int64_t tail_dim,
+                               int64_t tail_offset) {
+  pkv_kv_cache c;
+  memset(&c, 0, sizeof c);
+  c.values = pkv_cache_view_from(values);
+  if (scales->defined) c.scales = pkv_cache_view_from(scales);
+  c.group = group;
+  c.tail_dim = tail_dim;
+  c.tail_offset = tail_offset;
+  c.elem_bytes = (int64_t)pkv_dtype_size(values->dtype);
+  return c;
+}
+
 /* ---- the packed call's own rules, named after the caller's arguments ---- */
 
 /* uint8 [N, P, 1, row_bytes], unit last stride, and a base and strides that keep the float32

@@ -34,6 +34,8 @@
 #define PKV_KV_FORMAT_H
 
 #include "pkv_common.h"
+#include "pkv_numeric.h"
+#include "pkv_view.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -57,6 +59,55 @@ typedef struct {
   int64_t scales_offset; /* float32 group scales inside the row; -1: the per-tensor k_scales */
   int64_t rope_offset;   /* the bfloat16 rope */
 } pkv_kv_layout;
+
+/* A cache as a kernel reads it (plain form): the values view, its float32 scales (one per `group`
+ * channels of a token and head; per token, or a per-tensor scale's broadcast form), and the bfloat16
+ * tail some keys carry after their values (packed MLA rows' rope). The helpers below are the one
+ * rule for a scale's index, a channel's dequantized value and whether a scale folds. */
+typedef struct {
+  pkv_cache_view values;
+  pkv_cache_view scales;         /* data NULL: no scales (16-bit or float32 values) */
+  int64_t group;                 /* channels per scale */
+  int64_t tail_dim, tail_offset; /* bf16 channels after the values' head_dim, bytes from each row's start */
+  int64_t elem_bytes;            /* of the values' dtype */
+} pkv_kv_cache;
+
+/* keys: values and tail (q's D); values: head_dim */
+PKV_HD int64_t pkv_kv_dim(const pkv_kv_cache *c) { return c->values.head_dim + c->tail_dim; }
+
+/* 1 when one scale covers each row's values (group >= head_dim) and there is no tail: a reader may
+ * then fold it into scores or probabilities instead of dequantizing each value. */
+PKV_HD int pkv_kv_scale_per_row(const pkv_kv_cache *c) {
+  return c->scales.data != NULL && c->group >= c->values.head_dim && c->tail_dim == 0;
+}
+
+/* The scale of value channel ch of (page, slot, head); 1 without scales. */
+PKV_HD float pkv_kv_scale(const pkv_kv_cache *c, int64_t page, int64_t slot, int64_t head, int64_t ch) {
+  if (c->scales.data == NULL) return 1.0f;
+  return ((const float *)c->scales.data)[pkv_cache_offset(&c->scales, page, slot, head) + ch / c->group];
+}
+
+/* Value channel ch (< head_dim) of (page, slot, head) as float32: the value times its scale. */
+PKV_HD float pkv_kv_value(const pkv_kv_cache *c, int64_t page, int64_t slot, int64_t head, int64_t ch) {
+  return pkv_load_f32(c->values.data, pkv_cache_offset(&c->values, page, slot, head) + ch, c->values.dtype) *
+         pkv_kv_scale(c, page, slot, head, ch);
+}
+
+/* Tail channel i (< tail_dim) of (page, slot, head): key channel head_dim + i. */
+PKV_HD float pkv_kv_tail(const pkv_kv_cache *c, int64_t page, int64_t slot, int64_t head, int64_t i) {
+  const char *row = (const char *)c->values.data + pkv_cache_offset(&c->values, page, slot, head) * c->elem_bytes;
+  return pkv_load_f32(row + c->tail_offset, i, PKV_DTYPE_BF16);
+}
+
+/* Key channel ch (< pkv_kv_dim) as float32: a value or the tail. */
+PKV_HD float pkv_kv_load(const pkv_kv_cache *c, int64_t page, int64_t slot, int64_t head, int64_t ch) {
+  return ch < c->values.head_dim ? pkv_kv_value(c, page, slot, head, ch)
+                                 : pkv_kv_tail(c, page, slot, head, ch - c->values.head_dim);
+}
+
+/* The descriptor of a plain call's cache (descriptors validated; scales undefined: none). */
+pkv_kv_cache pkv_kv_cache_from(const pkv_tensor *values, const pkv_tensor *scales, int64_t group, int64_t tail_dim,
+                               int64_t tail_offset);
 
 /* 1 and the format for "fp8_ds_mla" / "fp8_rope" / NULL (plain); 0 for any other name. */
 int pkv_kv_format_parse(const char *name, pkv_kv_format *format);

@@ -25,10 +25,10 @@ constexpr int kPortableLaneDv = (kPortableMaxD + kWarp - 1) / kWarp;
 
 struct PortableParams {
   pkv_rows_view q, out;
-  pkv_cache_view k, v, k_scales, v_scales;  // scales: data null when the cache is not FP8
+  pkv_kv_cache k, v;  // values, scales, group; K's tail (packed rows' rope)
   pkv_index_view offsets, lengths, table;
   int64_t heads_per_kv;  // Hq / Hk
-  int64_t quant_group, window_left, k_tail_dim, k_tail_offset, k_elem_bytes;
+  int64_t window_left;
   float score_scale;  // scale, times log2(e) without softcap
   float softcap;      // 0: off
   int causal;
@@ -37,14 +37,6 @@ struct PortableParams {
   float *lse;
   int64_t lse_stride_row, lse_stride_head;
 };
-
-// Channel c of a cache row at element offset off (dequantized with its group scale for FP8).
-__device__ __forceinline__ float row_value(const pkv_cache_view &c, const pkv_cache_view &s, int64_t off,
-                                           int64_t page, int64_t slot, int64_t head, int64_t ch, int64_t group) {
-  float x = pkv_load_f32(c.data, off + ch, c.dtype);
-  if (s.data != nullptr) x *= static_cast<const float *>(s.data)[pkv_cache_offset(&s, page, slot, head) + ch / group];
-  return x;
-}
 
 // The batch row of query row t: the last b with offsets[b] <= t (offsets are monotone when checked; an
 // unchecked table that is not gives some row in [0, B), never an out-of-range one).
@@ -60,7 +52,8 @@ __device__ int64_t batch_of(const pkv_index_view &offsets, int64_t t) {
 
 __global__ void __launch_bounds__(kPortableThreads) attn_portable_kernel(const __grid_constant__ PortableParams p) {
   const int lane = threadIdx.x & 31;
-  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dk = p.k.head_dim, dv = p.v.head_dim;
+  const pkv_kv_cache kc = p.k, vc = p.v;  // local copies: addresses of kernel parameters cost local memory
+  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dk = kc.values.head_dim, dv = vc.values.head_dim;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kPortableThreads / kWarp) + (threadIdx.x >> 5);
   if (item >= p.q.num_rows * hq) return;  // warp-uniform
   const int64_t t = item / hq, head = item % hq, kvh = head / p.heads_per_kv;
@@ -75,7 +68,7 @@ __global__ void __launch_bounds__(kPortableThreads) attn_portable_kernel(const _
   const int64_t cached = pkv_cache_length(&p.lengths, b), total = cached + pkv_new_tokens(&p.offsets, b);
   int64_t lo, hi;
   pkv_visible_keys(cached + (t - first), total, p.causal, p.window_left, &lo, &hi);
-  const int64_t page_size = p.k.page_size, table_keys = p.table.cols * page_size;
+  const int64_t page_size = p.k.values.page_size, table_keys = p.table.cols * page_size;
   if (hi > table_keys) hi = table_keys;  // keys past the lookup table are never read
 
   __shared__ float q_shared[kPortableThreads / kWarp][kPortableMaxD];
@@ -88,27 +81,21 @@ __global__ void __launch_bounds__(kPortableThreads) attn_portable_kernel(const _
   for (int i = 0; i < kPortableLaneDv; i++) acc[i] = 0.0f;
   for (int64_t key = lo; key < hi; key++) {
     const int32_t id = pkv_page_of(&p.table, b, key, page_size);  // read once: the table may change
-    if (!pkv_page_in_pool(id, p.k.num_pages)) continue;           // warp-uniform
-    const int64_t slot = pkv_slot_of(key, page_size), koff = pkv_cache_offset(&p.k, id, slot, kvh);
-    float dot = 0.0f;
-    for (int64_t c = lane; c < dk; c += kWarp)
-      dot += qs[c] * row_value(p.k, p.k_scales, koff, id, slot, kvh, c, p.quant_group);
-    if (p.k_tail_dim > 0) {  // packed MLA rows: the rope, bfloat16 at a byte offset in the row
-      const char *tail = static_cast<const char *>(p.k.data) + koff * p.k_elem_bytes + p.k_tail_offset;
-      for (int64_t c = lane; c < p.k_tail_dim; c += kWarp)
-        dot += qs[dk + c] * pkv_load_f32(tail, c, PKV_DTYPE_BF16);
-    }
+    if (!pkv_page_in_pool(id, p.k.values.num_pages)) continue;    // warp-uniform
+    const int64_t slot = pkv_slot_of(key, page_size);
+    float dot = 0.0f;  // over the values, then the tail (d = pkv_kv_dim)
+    for (int64_t c = lane; c < dk; c += kWarp) dot += qs[c] * pkv_kv_value(&kc, id, slot, kvh, c);
+    for (int64_t c = lane; c < kc.tail_dim; c += kWarp) dot += qs[dk + c] * pkv_kv_tail(&kc, id, slot, kvh, c);
     dot = warp_sum(dot) * p.score_scale;
     const float s = p.softcap > 0.0f ? p.softcap * tanhf(dot) * 1.4426950408889634f : dot;
     const float m_new = s > m || s != s ? s : m;
     const float corr = m == -INFINITY ? 0.0f : exp2f(m - m_new), w = exp2f(s - m_new);
     l = l * corr + w;
     m = m_new;
-    const int64_t voff = pkv_cache_offset(&p.v, id, slot, kvh);
 #pragma unroll
     for (int i = 0; i < kPortableLaneDv; i++) {
       const int64_t c = lane + i * kWarp;
-      const float v = c < dv ? row_value(p.v, p.v_scales, voff, id, slot, kvh, c, p.quant_group) : 0.0f;
+      const float v = c < dv ? pkv_kv_value(&vc, id, slot, kvh, c) : 0.0f;
       acc[i] = acc[i] * corr + w * v;
     }
   }
@@ -132,19 +119,13 @@ cudaError_t launch_attn_portable(const pkv_attn_args *a, cudaStream_t stream) {
   PortableParams p{};
   p.q = pkv_rows_view_from(&a->q);
   p.out = pkv_rows_view_from(&a->out);
-  p.k = pkv_cache_view_from(&a->k_cache);
-  p.v = pkv_cache_view_from(&a->v_cache);
-  if (a->k_scales.defined) p.k_scales = pkv_cache_view_from(&a->k_scales);
-  if (a->v_scales.defined) p.v_scales = pkv_cache_view_from(&a->v_scales);
+  p.k = pkv_kv_cache_from(&a->k_cache, &a->k_scales, a->quant_group, a->k_tail_dim, a->k_tail_offset);
+  p.v = pkv_kv_cache_from(&a->v_cache, &a->v_scales, a->quant_group, 0, 0);
   p.offsets = pkv_index_view_from(&a->input_row_offsets);
   p.lengths = pkv_index_view_from(&a->cache_lengths);
   p.table = pkv_index_view_from(&a->lookup_table);
   p.heads_per_kv = a->q.sizes[1] / a->k_cache.sizes[2];
-  p.quant_group = a->quant_group;
   p.window_left = a->window_left;
-  p.k_tail_dim = a->k_tail_dim;
-  p.k_tail_offset = a->k_tail_offset;
-  p.k_elem_bytes = static_cast<int64_t>(pkv_dtype_size(a->k_cache.dtype));
   // softcap: s = softcap * tanh(x * scale / softcap), then log2 units; without: x * scale * log2(e)
   p.softcap = static_cast<float>(a->softcap);
   p.score_scale = a->softcap > 0.0 ? static_cast<float>(a->scale / a->softcap)

@@ -21,18 +21,18 @@ constexpr int kSparseLaneDv = kSparsePortableMaxDv / kWarp;  // value channels p
 constexpr int kSparseSharedD = 576;                        // query channels staged in shared memory (MLA's
                                                            // 576); wider heads read the rest from global
 
-// Element c of a cache row (dequantized with its group scale for FP8).
-__device__ __forceinline__ float cache_value(const pkv_cache_view &c, const pkv_cache_view &s, int64_t off,
-                                             int64_t token, int64_t head, int64_t ch, int64_t group) {
-  float x = pkv_load_f32(c.data, off + ch, c.dtype);
-  if (s.data != nullptr)
-    x *= static_cast<const float *>(s.data)[pkv_cache_token_offset(&s, token, head) + ch / group];
-  return x;
+// The descriptor of K or V (pkv_kv_format.h: values, scales, group, K's tail).
+__device__ __forceinline__ pkv_kv_cache kv_cache(const pkv_cache_view &values, const pkv_cache_view &scales,
+                                                 int64_t group, int64_t tail_dim, int64_t tail_offset,
+                                                 int64_t elem_bytes) {
+  return pkv_kv_cache{values, scales, group, tail_dim, tail_offset, elem_bytes};
 }
 
 __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const __grid_constant__ SparseParams p) {
   const int lane = threadIdx.x & 31;
-  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dk = p.k.head_dim, dv = p.v.head_dim;
+  const int64_t hq = p.q.num_heads, d = p.q.head_dim, dv = p.v.head_dim;
+  const pkv_kv_cache kc = kv_cache(p.k, p.k_scales, p.quant_group, p.k_tail_dim, p.k_tail_offset, p.k_elem_bytes);
+  const pkv_kv_cache vc = kv_cache(p.v, p.v_scales, p.quant_group, 0, 0, 0);
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kSparseThreads / kWarp) + (threadIdx.x >> 5);
   if (item >= p.q.num_rows * hq) return;  // warp-uniform
   const int64_t t = item / hq, head = item % hq, kvh = head / p.heads_per_kv, list = p.ix_heads == 1 ? 0 : kvh;
@@ -48,30 +48,21 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const _
   for (int64_t j = 0; j < p.ix_count; j++) {
     const int64_t token = p.indices[t * p.ix_stride_t + list * p.ix_stride_h + j * p.ix_stride_k];
     if (token < 0 || token >= tokens) continue;  // warp-uniform
-    const int64_t koff = pkv_cache_token_offset(&p.k, token, kvh);
-    float dot = 0.0f;
-    for (int c = lane; c < d_shared && c < dk; c += kWarp)
-      dot += qs[c] * cache_value(p.k, p.k_scales, koff, token, kvh, c, p.quant_group);
-    for (int64_t c = lane + kSparseSharedD; c < dk; c += kWarp)
-      dot += pkv_load_f32(p.q.data, q_off + c, p.q.dtype) * cache_value(p.k, p.k_scales, koff, token, kvh, c,
-                                                                        p.quant_group);
-    if (p.k_tail_dim > 0) {  // packed MLA rows: the rope, bfloat16 at a byte offset in the row (d = dk + tail)
-      const char *tail = static_cast<const char *>(p.k.data) + koff * p.k_elem_bytes + p.k_tail_offset;
-      for (int64_t c = dk + lane; c < d; c += kWarp)
-        dot += (c < d_shared ? qs[c] : pkv_load_f32(p.q.data, q_off + c, p.q.dtype)) *
-               pkv_load_f32(tail, c - dk, PKV_DTYPE_BF16);
-    }
+    const int64_t page = token / p.k.page_size, slot = token % p.k.page_size;
+    float dot = 0.0f;  // over the values and K's tail (d = pkv_kv_dim)
+    for (int c = lane; c < d_shared; c += kWarp) dot += qs[c] * pkv_kv_load(&kc, page, slot, kvh, c);
+    for (int64_t c = lane + kSparseSharedD; c < d; c += kWarp)
+      dot += pkv_load_f32(p.q.data, q_off + c, p.q.dtype) * pkv_kv_load(&kc, page, slot, kvh, c);
     dot = warp_sum(dot) * p.score_scale;
     const float s = (p.softcap > 0.0f ? p.softcap * tanhf(dot / p.softcap) : dot) * 1.4426950408889634f;
     const float m_new = s > m || s != s ? s : m;
     const float corr = m == -INFINITY ? 0.0f : exp2f(m - m_new), w = exp2f(s - m_new);
     l = l * corr + w;
     m = m_new;
-    const int64_t voff = pkv_cache_token_offset(&p.v, token, kvh);
 #pragma unroll
     for (int i = 0; i < kSparseLaneDv; i++) {
       const int64_t c = lane + i * kWarp;
-      const float v = c < dv ? cache_value(p.v, p.v_scales, voff, token, kvh, c, p.quant_group) : 0.0f;
+      const float v = c < dv ? pkv_kv_value(&vc, page, slot, kvh, c) : 0.0f;
       acc[i] = acc[i] * corr + w * v;
     }
   }

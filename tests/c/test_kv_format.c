@@ -249,6 +249,29 @@ static void test_store_load(pkv_kv_format f) {
     }
   }
   CHECK(bad == 0, "%s: %d loaded values differ from concat(code * scale, rope)", pkv_kv_format_name(f), bad);
+
+  /* the readers' descriptor of the attention call's K (pkv_kv_cache) decodes the same logical keys */
+  static float q[T * D], out[T * 512];
+  pkv_attn_args at;
+  memset(&at, 0, sizeof at);
+  at.q = T3(q, PKV_DTYPE_F32, T, 1, D);
+  at.out = T3(out, PKV_DTYPE_F32, T, 1, 512);
+  at.k_cache = packed_cache(row);
+  if (f == PKV_KV_FP8_ROPE) at.k_scales = T1(&g_scale, PKV_DTYPE_F32, 1);
+  at.kv_format = f;
+  pkv_attn_args plain;
+  EXPECT_STATUS(pkv_attn_unpack(&at, &plain, &err_), PKV_OK, "");
+  if (pkv_scales_per_tensor(&plain.k_scales)) pkv_scales_broadcast(&plain.k_scales, &plain.k_cache, plain.quant_group, groups);
+  pkv_kv_cache kc = pkv_kv_cache_from(&plain.k_cache, &plain.k_scales, plain.quant_group, plain.k_tail_dim,
+                                      plain.k_tail_offset);
+  CHECK(pkv_kv_dim(&kc) == D && !pkv_kv_scale_per_row(&kc), "%s: 576 key channels, no folded scale (a tail)",
+        pkv_kv_format_name(f));
+  bad = 0;
+  for (int t = 0; t < T; t++) {
+    int64_t pos = 2 + t, page = g_table[pos / P], slot = pos % P;
+    for (int c = 0; c < D; c++) bad += !same_float(pkv_kv_load(&kc, page, slot, 0, c), loaded[pos * D + c]);
+  }
+  CHECK(bad == 0, "%s: %d channels of pkv_kv_load differ from paged_load's", pkv_kv_format_name(f), bad);
 }
 
 int main(void) {
