@@ -49,6 +49,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// ---- one key of a warp's online softmax (the portable kernels) ----
+// Score s in log2 units (a NaN stays NaN): updates the running max m and sum l; corr is the factor of
+// the accumulators so far, w the key's weight.
+__device__ __forceinline__ void online_softmax_key(float s, float &m, float &l, float &corr, float &w) {
+  const float m_new = s > m || s != s ? s : m;
+  corr = m == -INFINITY ? 0.0f : exp2f(m - m_new);
+  w = exp2f(s - m_new);
+  l = l * corr + w;
+  m = m_new;
+}
+
 // ---- 2^x for softmax probabilities ----
 // One MUFU.EX2. exp2f (no fast-math) wraps the same instruction in a compare, a halving and a
 // squaring so that x < -126 gives a denormal: three extra instructions per probability in the

@@ -88,10 +88,8 @@ __global__ void __launch_bounds__(kPortableThreads) attn_portable_kernel(const _
     for (int64_t c = lane; c < kc.tail_dim; c += kWarp) dot += qs[dk + c] * pkv_kv_tail(&kc, id, slot, kvh, c);
     dot = warp_sum(dot) * p.score_scale;
     const float s = p.softcap > 0.0f ? p.softcap * tanhf(dot) * 1.4426950408889634f : dot;
-    const float m_new = s > m || s != s ? s : m;
-    const float corr = m == -INFINITY ? 0.0f : exp2f(m - m_new), w = exp2f(s - m_new);
-    l = l * corr + w;
-    m = m_new;
+    float corr, w;
+    online_softmax_key(s, m, l, corr, w);
 #pragma unroll
     for (int i = 0; i < kPortableLaneDv; i++) {
       const int64_t c = lane + i * kWarp;

@@ -55,10 +55,8 @@ __global__ void __launch_bounds__(kSparseThreads) sparse_portable_kernel(const _
       dot += pkv_load_f32(p.q.data, q_off + c, p.q.dtype) * pkv_kv_load(&kc, page, slot, kvh, c);
     dot = warp_sum(dot) * p.score_scale;
     const float s = (p.softcap > 0.0f ? p.softcap * tanhf(dot / p.softcap) : dot) * 1.4426950408889634f;
-    const float m_new = s > m || s != s ? s : m;
-    const float corr = m == -INFINITY ? 0.0f : exp2f(m - m_new), w = exp2f(s - m_new);
-    l = l * corr + w;
-    m = m_new;
+    float corr, w;
+    online_softmax_key(s, m, l, corr, w);
 #pragma unroll
     for (int i = 0; i < kSparseLaneDv; i++) {
       const int64_t c = lane + i * kWarp;
