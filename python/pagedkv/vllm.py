@@ -17,8 +17,10 @@ backend uses head-major pages, which pagedkv reads correctly but slower. vLLM's 
     lookup_table      = block_table[:B]
 
 ``forward`` stores this step's K/V (``paged_store``), then attends (``flash_attn_paged`` into
-vLLM's output buffer). Decoder attention only: encoder, encoder-only and cross attention, ALiBi,
-attention sinks and FP8 KV caches are refused with an error that says how to run without pagedkv.
+vLLM's output buffer), with the layer's attention sinks (gpt-oss) and, for FP8 caches (vLLM's uint8
+bytes viewed as float8_e4m3fn / float8_e5m2, no copy), its per-tensor k_scale / v_scale. Decoder
+attention only: encoder, encoder-only and cross attention, ALiBi and KV cache dtypes other than
+16-bit and per-tensor-scaled FP8 are refused with an error that says how to run without pagedkv.
 """
 
 from __future__ import annotations

@@ -31,13 +31,49 @@ logger = init_logger(f"vllm.{__name__}")
 
 NOT_SUPPORTED_HINT = f"unset {ENABLE_VARIABLE} to run vLLM's own attention backend"
 
+# vLLM's FP8 KV cache dtypes and the format of their bytes: vLLM allocates these caches as uint8 (one
+# code a byte) and scales them per tensor (the layer's k_scale / v_scale: CONTRACT.md v1.2).
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+# e4m3's smallest normal value: vLLM's CPU writer reads e4m3 codes below it off a float32 subnormal
+E4M3_SMALLEST_NORMAL = 2.0**-6
+# the spacing of float32 subnormals once vLLM has moved an e4m3 value into their range (times 2^-120)
+E4M3_SUBNORMAL_GRID = 2.0**-29
+
+
+def fp8_as_vllm_cpu(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The values of the codes vLLM's CPU cache writer stores for ``x`` (float32, same shape).
+
+    vLLM's CPU build (``cpu_attn_reshape_and_cache``) multiplies by the float32 reciprocal of the scale,
+    saturates to the format's largest finite value (NaN to +max), and rounds toward zero, where its
+    CUDA writer and ``paged_store`` round to nearest even. For e4m3 it takes the code's bits from
+    ``v * 2^-120`` as a float32, which below e4m3's normal range is a float32 subnormal, rounded to
+    nearest on a 2^-29 grid before the code truncates it. An exact zero gives +0.
+    """
+    limit = torch.finfo(fp8_dtype).max
+    exact = torch.nan_to_num(x.float() * (1.0 / scale), nan=limit).clamp_(-limit, limit)
+    value = exact
+    if fp8_dtype == torch.float8_e4m3fn:
+        on_grid = torch.round(exact * (1.0 / E4M3_SUBNORMAL_GRID)) * E4M3_SUBNORMAL_GRID
+        value = torch.where(exact.abs() < E4M3_SMALLEST_NORMAL, on_grid, exact)
+    codes = value.to(fp8_dtype)
+    # codes of one sign are ordered by magnitude: one step toward zero from a nonzero code is its byte minus one
+    rounded_away = codes.float().abs() > value.abs()
+    codes.view(torch.uint8).sub_(rounded_away.to(torch.uint8))
+    return codes.float().masked_fill_(exact == 0, 0.0)
+
 
 class PagedKVAttentionBackend(AttentionBackend):
     # forward() stores this step's K/V itself (paged_store), then attends.
     forward_includes_kv_cache_update: bool = True
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -74,6 +110,10 @@ class PagedKVAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
         return True
 
     @classmethod
@@ -142,13 +182,13 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
             refusals.append(f"attn_type must be {AttentionType.DECODER.value!r}, got {str(attn_type)!r}")
         if alibi_slopes is not None:
             refusals.append("ALiBi slopes are not supported")
-        if sinks is not None:
-            refusals.append("attention sinks are not supported")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            refusals.append(f"sinks must hold one value per query head, shape ({num_heads},), got "
+                            f"{tuple(sinks.shape)}")
         if kv_cache_dtype not in PagedKVAttentionBackend.supported_kv_cache_dtypes:
             refusals.append(
                 f"kv_cache_dtype must be one of {PagedKVAttentionBackend.supported_kv_cache_dtypes}, got "
-                f"{kv_cache_dtype!r} (FP8 KV caches are not supported yet: pagedkv's per-token scales are "
-                "not in vLLM's cache spec)"
+                f"{kv_cache_dtype!r} (FP8 caches: one scale per tensor, vLLM's k_scale / v_scale)"
             )
         if unsupported:
             refusals.append(f"unsupported arguments {sorted(unsupported)}")
@@ -162,6 +202,9 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
         self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.softcap = float(logits_soft_cap or 0.0)
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+        # The model's parameter, filled when vLLM loads the weights (after this runs): read at each forward.
+        self.sinks = sinks
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         logger.info_once("Using pagedkv attention backend (pagedkv.flash_attn_paged over vLLM's paged KV cache)")
@@ -184,17 +227,55 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no cache yet
             return output
         k_cache, v_cache = self.cache_views(kv_cache)
+        k_scale, v_scale = self.fp8_scales(layer)
         meta = attn_metadata
         # A layer that shares another layer's cache reads it; that layer already stored this step.
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            paged_store(key, value, k_cache, v_cache, meta.input_row_offsets, meta.cache_lengths, meta.lookup_table)
+            self.store(key, value, k_cache, v_cache, k_scale, v_scale, meta)
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()  # pagedkv takes float32 sinks; [Hq] values, converted each step
         # Rows past input_row_offsets[B] are vLLM's padding: pagedkv writes zeros there.
         flash_attn_paged(query, meta.input_row_offsets, k_cache, v_cache, meta.cache_lengths, meta.lookup_table,
-                         scale=self.scale, causal=meta.causal, window_left=self.window_left, softcap=self.softcap,
-                         out=output)
+                         scale=self.scale, causal=meta.causal, k_scales=k_scale, v_scales=v_scale,
+                         window_left=self.window_left, softcap=self.softcap, sinks=sinks, out=output)
         return output
 
+    def store(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], meta: PagedKVMetadata) -> None:
+        """This step's K/V into the cache, as vLLM's own backend on this platform writes them."""
+        rows = (meta.input_row_offsets, meta.cache_lengths, meta.lookup_table)
+        if k_scale is None or k_cache.device.type != "cpu":
+            # 16-bit caches; FP8 off CPU: fp8(clamp(x / s)) rounded to nearest even, as vLLM's CUDA writer does
+            paged_store(key, value, k_cache, v_cache, *rows, k_scale, v_scale)
+            return
+        # vLLM's CPU writer rounds toward zero (fp8_as_vllm_cpu). paged_store with a scale of one stores values
+        # that already are codes unchanged, so the cache holds the codes vLLM's own CPU backend would hold.
+        one = torch.ones((), dtype=torch.float32, device=k_cache.device)
+        paged_store(fp8_as_vllm_cpu(key, k_scale, self.fp8_dtype), fp8_as_vllm_cpu(value, v_scale, self.fp8_dtype),
+                    k_cache, v_cache, *rows, one, one)
+
+    def fp8_scales(self, layer: AttentionLayer) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The layer's per-tensor k_scale / v_scale (one float32 element each) for an FP8 cache, else None."""
+        if self.fp8_dtype is None:
+            return None, None
+        k_scale, v_scale = layer._k_scale, layer._v_scale
+        if k_scale.numel() != 1 or v_scale.numel() != 1:
+            raise NotImplementedError(
+                f"pagedkv attention backend: FP8 KV caches take one k_scale and one v_scale per layer, got "
+                f"k_scale of shape {tuple(k_scale.shape)} and v_scale of shape {tuple(v_scale.shape)} (per-head "
+                f"scales); {NOT_SUPPORTED_HINT}")
+        return k_scale.float(), v_scale.float()
+
     def cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's ``[num_blocks, Hk, P, D + Dv]`` layer cache as pagedkv's two ``[N, P, Hk, D]`` views."""
+        """vLLM's ``[num_blocks, Hk, P, D + Dv]`` layer cache as pagedkv's two ``[N, P, Hk, D]`` views.
+
+        FP8 caches, which vLLM allocates as uint8, are viewed as their FP8 format (same bytes, no copy).
+        """
+        if self.fp8_dtype is not None and kv_cache.dtype != self.fp8_dtype:
+            if kv_cache.element_size() != 1:
+                raise TypeError(f"pagedkv attention backend: kv_cache_dtype {self.kv_cache_dtype!r} needs a cache of "
+                                f"one-byte elements, got {kv_cache.dtype}")
+            kv_cache = kv_cache.view(self.fp8_dtype)
         key_size = self.head_size
         return kv_cache[..., :key_size].transpose(1, 2), kv_cache[..., key_size:].transpose(1, 2)

@@ -1,15 +1,21 @@
 """Greedy generation through ``vllm.LLM``, written as JSON: the tests' one way to run vLLM offline.
 
-Each run is its own process (vLLM registers its attention backend once per process, so pagedkv
-and vLLM's own backend are compared across processes; ``PAGEDKV_VLLM=1`` in the environment picks
-pagedkv). The workload exercises what the backend must get right: chunked prefill mixed with
+vLLM registers its attention backend once per process, so pagedkv and vLLM's own backend are
+compared across processes (``PAGEDKV_VLLM=1`` in the environment picks pagedkv); one process may run
+several engines in turn, one per block size and KV cache dtype given (an engine start is seconds, the
+process start with vLLM's imports most of a run). The workload exercises what the backend must get right: chunked prefill mixed with
 decodes (``max_num_batched_tokens`` far below the prompt lengths), and prefix caching (a second
 round of prompts that share a first-round prompt's leading pages).
 
     python tests/vllm_integration/vllm_generate.py --model DIR --dtype float32 --block-size 16 --out OUT.json
+    python tests/vllm_integration/vllm_generate.py --model DIR --block-size 16 128 --kv-cache-dtype fp8 fp8_e5m2 --out OUT.json
+
+OUT.json holds one entry of "runs" per (block size, KV cache dtype), in the order of the arguments.
 """
 
 import argparse
+import gc
+import itertools
 import json
 import os
 
@@ -38,7 +44,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, nargs="+", default=[16])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="vLLM's kv_cache_dtype: auto, fp8, fp8_e4m3, fp8_e5m2, ...")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=32)
     parser.add_argument("--token-prompts", action="store_true",
@@ -61,14 +69,15 @@ def completions(prompts, outputs):
     return rows
 
 
-def main() -> None:
-    args = parse_args()
+def generate(args, block_size: int, kv_cache_dtype: str) -> dict:
+    """One engine: both rounds of prompts, greedy; returns this run's entry of the output's "runs"."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -90,13 +99,31 @@ def main() -> None:
             return [{"prompt_token_ids": list(prompt.encode())} for prompt in prompts]
         return prompts
 
+    def prefix_hits():
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+    hits_before = prefix_hits()  # the counter may outlive an engine of the same process
     rows = []
     for prompts in (FIRST_ROUND, SECOND_ROUND):
         rows += completions(prompts, llm.generate(inputs(prompts), params, use_tqdm=False))
-    prefix_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    run = {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype, "completions": rows,
+           "prefix_cache_hits": prefix_hits() - hits_before}
+    del llm
+    gc.collect()
+    return run
+
+
+def main() -> None:
+    args = parse_args()
+    runs = []
+    for block_size, kv_cache_dtype in itertools.product(args.block_size, args.kv_cache_dtype):
+        if runs:  # the previous engine's process group and memory go before the next engine starts
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        runs.append(generate(args, block_size, kv_cache_dtype))
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "pagedkv": os.environ.get("PAGEDKV_VLLM") == "1", "completions": rows,
-                   "prefix_cache_hits": prefix_hits}, f, indent=1)
+        json.dump({"args": vars(args), "pagedkv": os.environ.get("PAGEDKV_VLLM") == "1", "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

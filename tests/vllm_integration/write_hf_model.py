@@ -6,7 +6,8 @@ from GGUF), and transformers writes config, safetensors and tokenizer. Run with 
 python (transformers, gguf, accelerate):
 
     python3 tests/vllm_integration/write_hf_model.py OUT_DIR
-    python3 tests/vllm_integration/write_hf_model.py --random-tiny OUT_DIR   # the tensor-parallel test's model
+    python3 tests/vllm_integration/write_hf_model.py --random-tiny OUT_DIR   # tensor-parallel and FP8 tests' model
+    python3 tests/vllm_integration/write_hf_model.py --random-gpt-oss OUT_DIR   # the attention-sink test's model
 """
 
 import os
@@ -29,9 +30,41 @@ def save(loaded: gguf_model.LoadedModel, out: str) -> None:
     model.save_pretrained(out)
 
 
+def save_random_gpt_oss(out: str, seed: int = 0) -> None:
+    """A seeded random 2-layer gpt-oss (attention sinks; a sliding window of 8 tokens on layer 0; 4 experts).
+
+    Head size 64 (vLLM's CPU FP8 caches need a multiple of 32), 4 query / 2 KV heads, a 256-token vocabulary
+    (runs pass UTF-8 bytes as token ids; no tokenizer). Weights are drawn with a spread that keeps the
+    next-token distribution far from uniform, and sinks large enough to move each row's softmax.
+    """
+    config = transformers.GptOssConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+        # gpt-oss's own YaRN rope
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    )
+    model = transformers.GptOssForCausalLM(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                continue
+            spread = 2.0 if name.endswith("sinks") else 0.3 if parameter.dim() > 1 else 0.1
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * spread)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+
+
 def main() -> None:
-    if len(sys.argv) != 2 and sys.argv[1:2] != ["--random-tiny"]:
-        raise SystemExit("usage: write_hf_model.py OUT_DIR | write_hf_model.py --random-tiny OUT_DIR")
+    if len(sys.argv) != 2 and sys.argv[1:2] not in (["--random-tiny"], ["--random-gpt-oss"]):
+        raise SystemExit("usage: write_hf_model.py OUT_DIR | write_hf_model.py --random-tiny OUT_DIR | "
+                         "write_hf_model.py --random-gpt-oss OUT_DIR")
+    if sys.argv[1] == "--random-gpt-oss":
+        save_random_gpt_oss(sys.argv[2])
+        print(f"wrote {sys.argv[2]} (random gpt-oss)")
+        return
     if sys.argv[1] == "--random-tiny":
         # 4 query / 2 KV heads (SmolLM2's 9 / 3 do not split over 2 tensor-parallel ranks); no tokenizer:
         # runs pass token ids
