@@ -40,32 +40,34 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# e4m3's smallest normal value: vLLM's CPU writer reads e4m3 codes below it off a float32 subnormal
-E4M3_SMALLEST_NORMAL = 2.0**-6
-# the spacing of float32 subnormals once vLLM has moved an e4m3 value into their range (times 2^-120)
+# Per FP8 format: the float32 bits a code keeps when truncating toward zero (3 or 2 of the 23 mantissa bits),
+# and below the format's normal range (smallest normal value), the spacing of its subnormal codes.
+FP8_TRUNCATION_MASK = {torch.float8_e4m3fn: ~((1 << 20) - 1), torch.float8_e5m2: ~((1 << 21) - 1)}
+FP8_SUBNORMALS = {torch.float8_e4m3fn: (2.0**-6, 2.0**-9), torch.float8_e5m2: (2.0**-14, 2.0**-16)}
+# vLLM's CPU writer takes e4m3 codes off v * 2^-120 as a float32: below e4m3's normal range that is a float32
+# subnormal, which rounds v to nearest on this grid before the code truncates it
 E4M3_SUBNORMAL_GRID = 2.0**-29
 
 
 def fp8_as_vllm_cpu(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """The values of the codes vLLM's CPU cache writer stores for ``x`` (float32, same shape).
+    """The values of the codes vLLM's CPU cache writer stores for ``x`` (float32, same shape; each value is
+    exactly an FP8 code of ``fp8_dtype``).
 
     vLLM's CPU build (``cpu_attn_reshape_and_cache``) multiplies by the float32 reciprocal of the scale,
-    saturates to the format's largest finite value (NaN to +max), and rounds toward zero, where its
-    CUDA writer and ``paged_store`` round to nearest even. For e4m3 it takes the code's bits from
-    ``v * 2^-120`` as a float32, which below e4m3's normal range is a float32 subnormal, rounded to
-    nearest on a 2^-29 grid before the code truncates it. An exact zero gives +0.
+    saturates to the format's largest finite value (NaN to +max), gives an exact zero +0, and rounds toward
+    zero, where its CUDA writer and ``paged_store`` round to nearest even.
     """
     limit = torch.finfo(fp8_dtype).max
-    exact = torch.nan_to_num(x.float() * (1.0 / scale), nan=limit).clamp_(-limit, limit)
-    value = exact
+    smallest_normal, spacing = FP8_SUBNORMALS[fp8_dtype]
+    value = x.to(torch.float32, copy=True).mul_(1.0 / scale)
+    value.nan_to_num_(nan=limit).clamp_(-limit, limit).add_(0.0)  # adding +0 turns an exact -0 into +0
+    subnormal = value.abs() < smallest_normal
+    below = value
     if fp8_dtype == torch.float8_e4m3fn:
-        on_grid = torch.round(exact * (1.0 / E4M3_SUBNORMAL_GRID)) * E4M3_SUBNORMAL_GRID
-        value = torch.where(exact.abs() < E4M3_SMALLEST_NORMAL, on_grid, exact)
-    codes = value.to(fp8_dtype)
-    # codes of one sign are ordered by magnitude: one step toward zero from a nonzero code is its byte minus one
-    rounded_away = codes.float().abs() > value.abs()
-    codes.view(torch.uint8).sub_(rounded_away.to(torch.uint8))
-    return codes.float().masked_fill_(exact == 0, 0.0)
+        below = torch.round(value * (1.0 / E4M3_SUBNORMAL_GRID)).mul_(E4M3_SUBNORMAL_GRID)
+    below = torch.trunc(below * (1.0 / spacing)).mul_(spacing)
+    value.view(torch.int32).bitwise_and_(FP8_TRUNCATION_MASK[fp8_dtype])
+    return torch.where(subnormal, below, value)
 
 
 class PagedKVAttentionBackend(AttentionBackend):
