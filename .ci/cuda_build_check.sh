@@ -200,7 +200,8 @@ fi
 # flash_attn_paged_sparse.cu: every tiled gather4 kernel (template loader 2) on sm_100a holds
 # UTMALDG words, all with the gather4 bit; every tiled cp.async kernel (loader 0) on sm_80 and
 # sm_90a holds LDGSTS (cp.async) words and no TMA load. Kernels are picked by their mangled name:
-# sparse_tiled_kernel<D, Dv, dtype, loader>(pkv::TiledParams, ...) (TiledParams: flash_attn_sparse.cuh).
+# sparse_tiled_kernel<D, Dv, dtype, loader, tail>(pkv::TiledParams, ...) (TiledParams: flash_attn_sparse.cuh;
+# tail: 64 for packed MLA rows, else 0).
 say "checking the sparse kernel's SASS (gather4 on sm_100a, cp.async on sm_80 / sm_90a)"
 sparse_sass() {  # $1 target, $2 loader template argument, $3 what each kernel must show
   local t=$1 loader=$2 want=$3 cubin="$WORK/flash_attn_paged_sparse_sm_$1.cubin" lines
@@ -209,7 +210,7 @@ sparse_sass() {  # $1 target, $2 loader template argument, $3 what each kernel m
     fail "cubin of flash_attn_paged_sparse.cu for sm_$t"
     return
   fi
-  lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$cubin" sparse_tiled_kernel "Li${loader}EEEvNS_11TiledParams" |
+  lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$cubin" sparse_tiled_kernel "Li${loader}ELi" "EEEvNS_11TiledParams" |
     grep -v TOTAL)
   local n bad
   n=$(echo "$lines" | grep -c . || true)

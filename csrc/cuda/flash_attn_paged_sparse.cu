@@ -55,16 +55,18 @@ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 // ---------------------------------------------------------------- host: layout and opt-in
 // (declared in flash_attn_sparse.cuh: the plan sizes and checks a call with them)
 
-SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups) {
+SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups, int tail) {
   SparseSmem s{};
   const int k_tile = kTileRows * tile_row_bytes(d, es), v_tile = v_from_k ? 0 : kTileRows * tile_row_bytes(dv, es);
-  s.stage_bytes = k_tile + v_tile;  // a multiple of 1024 (kTileRows x 128-byte chunks): TMA's swizzle alignment
+  const int tail_tile = tail ? kTileRows * tile_row_bytes(tail, 2) : 0;  // bf16
+  s.stage_bytes = k_tile + v_tile + tail_tile;  // a multiple of 1024 (kTileRows x 128-byte chunks): TMA's swizzle alignment
   s.v_tile = k_tile;
+  s.tail_tile = k_tile + v_tile;
   // the epilogue's partial sums ([row slices][heads][Dv] floats) reuse the stage buffers
   const int pv_lanes = kThreads / (dv / 8);
   const int epilogue = (pv_lanes > heads ? pv_lanes : heads) * dv * 4;
   int at = 2 * s.stage_bytes > epilogue ? 2 * s.stage_bytes : round_up(epilogue, 1024);
-  s.q = at, at += heads * d * 4;
+  s.q = at, at += heads * (d + tail) * 4;
   s.scores = at, at += kWarps * heads * kTileRows * 4;
   s.probs = at, at += heads * kTileRows * 4;
   s.alpha = at, at += heads * 4;
@@ -130,6 +132,12 @@ __device__ __forceinline__ void tile_unit8(const uint8_t *tile, int r, int u, fl
   }
 }
 
+// q[0, 8) . k[0, 8), q 16-byte aligned (the CTA's query rows in shared memory).
+__device__ __forceinline__ float dot8(const float *q, const float (&k)[8]) {
+  const float4 a = *reinterpret_cast<const float4 *>(q), b = *reinterpret_cast<const float4 *>(q + 4);
+  return a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] + b.z * k[6] + b.w * k[7];
+}
+
 // Thread t < kTileRows decodes list entry `first + t`: (page, slot), or page
 // -1 for -1, an out-of-range token or a position past the list.
 __device__ __forceinline__ void fill_sparse_row(TileRows *rows, const int32_t *list, int64_t stride, int64_t count,
@@ -161,12 +169,15 @@ __device__ __forceinline__ void load_tile_scales(float *dst, const pkv_cache_vie
   }
 }
 
-template <int D, int DV, pkv_dtype kCache, int kLoader>
+// kTail: bf16 channels of K after its D (packed MLA rows' rope, kPackedTail), staged as a tile of
+// their own from p.tail; the query rows hold D + kTail channels.
+template <int D, int DV, pkv_dtype kCache, int kLoader, int kTail>
 __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CUtensorMap *kmap,
                                                   const CUtensorMap *vmap, uint8_t *smem) {
   constexpr bool kFp8 = kCache == PKV_DTYPE_FP8_E4M3 || kCache == PKV_DTYPE_FP8_E5M2;
   constexpr int kEs = kFp8 ? 1 : 2;
   constexpr int kUnitsK = D / 8, kUnitsV = DV / 8;  // 8-channel units of a K and a V row
+  constexpr int kUnitsTail = kTail / 8, DQ = D + kTail;  // the tail's units; query channels
   // P V: thread -> (value unit, head lane, row slice); kPvLanes threads share a unit
   constexpr int kPvLanes = kThreads / kUnitsV;
   constexpr int kHeadsPerThread = (kMaxHeads + kPvLanes - 1) / kPvLanes;
@@ -199,8 +210,8 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
   const int v_groups = p.v_from_k ? p.k_groups : p.v_groups;
 
   // ---- the CTA's query rows (any float dtype) and the FP8 group of each unit ----
-  for (int i = tid; i < heads * D; i += kThreads) {
-    const int g = i / D, c = i - g * D;
+  for (int i = tid; i < heads * DQ; i += kThreads) {
+    const int g = i / DQ, c = i - g * DQ;
     sq[i] = pkv_load_f32(s.q.data, t * s.q.stride_row + (head0 + g) * s.q.stride_head + c, s.q.dtype);
   }
   // quant_group % 8 == 0 or >= D (the plan's condition): one scale per unit
@@ -220,18 +231,24 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
       load_tile_scales(skscale + stage * kTileRows * p.k_groups, s.k_scales, rows, kvh, p.k_groups);
       if (!p.v_from_k) load_tile_scales(svscale + stage * kTileRows * v_groups, s.v_scales, rows, kvh, v_groups);
     }
+    uint8_t *tt = kt + L.tail_tile;
     if constexpr (kLoader == PKV_LOADER_CP_ASYNC) {
       load_tile_cp_async<kTileRows, kThreads>(kt, s.k, rows, kvh, D * kEs / 16, kEs, p.kv_aligned);
       if (!p.v_from_k) load_tile_cp_async<kTileRows, kThreads>(vt, s.v, rows, kvh, DV * kEs / 16, kEs, p.kv_aligned);
+      if constexpr (kTail > 0) load_tile_cp_async<kTileRows, kThreads>(tt, p.tail, rows, kvh, kTail * 2 / 16, 2, p.kv_aligned);
     } else if (tid == 0) {
       constexpr int kChunksK = D * kEs / kChunkBytes, kChunksV = DV * kEs / kChunkBytes;
+      constexpr int kChunksTail = kTail * 2 / kChunkBytes;
       uint64_t *bar = sbar + stage;
       uint32_t bytes = count_tile_gather4<kTileRows>(rows, kChunksK);
       if (!p.v_from_k) bytes += count_tile_gather4<kTileRows>(rows, kChunksV);
+      if constexpr (kTail > 0) bytes += count_tile_gather4<kTileRows>(rows, kChunksTail);
       mbar_arrive_expect_tx(bar, bytes);  // 0 bytes (every row masked) completes the phase at once
       issue_tile_gather4<kTileRows>(kt, kmap, bar, rows, kvh * s.k.stride_head, p.rows_per_page, kChunksK, kEs);
       if (!p.v_from_k)
         issue_tile_gather4<kTileRows>(vt, vmap, bar, rows, kvh * s.v.stride_head, p.rows_per_page, kChunksV, kEs);
+      if constexpr (kTail > 0)  // the tail through its own map (vmap: V is read from K here), the seeds' rope view
+        issue_tile_gather4<kTileRows>(tt, vmap, bar, rows, kvh * p.tail.stride_head, p.rows_per_page, kChunksTail, 2);
     }
     cp_async_commit();
   };
@@ -305,10 +322,19 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
 #pragma unroll
         for (int g = 0; g < kMaxHeads; g++) {
           if (g >= heads) break;
-          const float4 qa = *reinterpret_cast<const float4 *>(sq + g * D + u * 8);
-          const float4 qb = *reinterpret_cast<const float4 *>(sq + g * D + u * 8 + 4);
-          part[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] + qb.x * k8[4] + qb.y * k8[5] +
-                     qb.z * k8[6] + qb.w * k8[7];
+          part[g] += dot8(sq + g * DQ + u * 8, k8);
+        }
+      }
+      if constexpr (kTail > 0) {  // the tail's units (bf16, no scale): query channels D, D + 1, ...
+        const uint8_t *tt = kt + L.tail_tile;
+        for (int u = warp; u < kUnitsTail; u += kWarps) {
+          float k8[8];
+          tile_unit8<PKV_DTYPE_BF16>(tt, lane, u, k8);
+#pragma unroll
+          for (int g = 0; g < kMaxHeads; g++) {
+            if (g >= heads) break;
+            part[g] += dot8(sq + g * DQ + D + u * 8, k8);
+          }
         }
       }
 #pragma unroll
@@ -407,14 +433,14 @@ __device__ __forceinline__ void sparse_tiled_body(const TiledParams &p, const CU
   }
 }
 
-template <int D, int DV, pkv_dtype kCache, int kLoader>
+template <int D, int DV, pkv_dtype kCache, int kLoader, int kTail>
 __global__ void __launch_bounds__(kThreads)
     sparse_tiled_kernel(const __grid_constant__ TiledParams p, const __grid_constant__ CUtensorMap kmap,
                         const __grid_constant__ CUtensorMap vmap) {
   if constexpr (loader_compiled<kLoader>()) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_align_1024(smem_raw);
-    sparse_tiled_body<D, DV, kCache, kLoader>(p, &kmap, &vmap, smem);
+    sparse_tiled_body<D, DV, kCache, kLoader, kTail>(p, &kmap, &vmap, smem);
   } else {
     __trap();  // a loader this target cannot run: the host never launches it
   }
@@ -422,10 +448,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---------------------------------------------------------------- host: launch
 
-template <int D, int DV, pkv_dtype kCache, int kLoader>
+template <int D, int DV, pkv_dtype kCache, int kLoader, int kTail>
 cudaError_t launch_tiled(const TiledParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                          cudaStream_t stream) {
-  auto kernel = sparse_tiled_kernel<D, DV, kCache, kLoader>;
+  auto kernel = sparse_tiled_kernel<D, DV, kCache, kLoader, kTail>;
   // The opt-in covers every layout this kernel can need: set once per device (the first,
   // eager call; a captured graph's launches then need nothing).
   static std::atomic<uint64_t> configured{0};
@@ -440,7 +466,7 @@ cudaError_t launch_tiled(const TiledParams &p, const CUtensorMap &kmap, const CU
   return cudaGetLastError();
 }
 
-template <int D, int DV, pkv_dtype kCache>
+template <int D, int DV, pkv_dtype kCache, int kTail = 0>
 cudaError_t dispatch_loader(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
                             const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
   // gather4 boxes are whole 128-byte chunks of a row (tma_rows_ok): no instantiation for rows
@@ -448,11 +474,11 @@ cudaError_t dispatch_loader(const TiledParams &p, pkv_loader loader, const CUten
   constexpr int kEs = kCache == PKV_DTYPE_FP8_E4M3 || kCache == PKV_DTYPE_FP8_E5M2 ? 1 : 2;
   if constexpr (D * kEs % kChunkBytes == 0 && DV * kEs % kChunkBytes == 0) {
     if (loader == PKV_LOADER_TMA_GATHER4)
-      return launch_tiled<D, DV, kCache, PKV_LOADER_TMA_GATHER4>(p, kmap, vmap, grid, stream);
+      return launch_tiled<D, DV, kCache, PKV_LOADER_TMA_GATHER4, kTail>(p, kmap, vmap, grid, stream);
   } else {
     if (loader == PKV_LOADER_TMA_GATHER4) return cudaErrorInvalidValue;
   }
-  return launch_tiled<D, DV, kCache, PKV_LOADER_CP_ASYNC>(p, kmap, vmap, grid, stream);
+  return launch_tiled<D, DV, kCache, PKV_LOADER_CP_ASYNC, kTail>(p, kmap, vmap, grid, stream);
 }
 
 template <int D, int DV>
@@ -470,6 +496,10 @@ cudaError_t dispatch_dtype(const TiledParams &p, pkv_loader loader, const CUtens
 cudaError_t dispatch_head_dims(const TiledParams &p, pkv_loader loader, const CUtensorMap &kmap,
                                const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
   const int64_t d = p.s.k.head_dim, dv = p.s.v.head_dim;
+  if (p.tail.head_dim != 0)  // packed MLA rows (tiled_refusal: e4m3, 512 / 512, V from K, a 64-channel tail)
+    return d == 512 && dv == 512 && p.tail.head_dim == kPackedTail && p.s.k.dtype == PKV_DTYPE_FP8_E4M3
+               ? dispatch_loader<512, 512, PKV_DTYPE_FP8_E4M3, kPackedTail>(p, loader, kmap, vmap, grid, stream)
+               : cudaErrorInvalidValue;
   if (d == 64 && dv == 64) return dispatch_dtype<64, 64>(p, loader, kmap, vmap, grid, stream);
   if (d == 96 && dv == 96) return dispatch_dtype<96, 96>(p, loader, kmap, vmap, grid, stream);
   if (d == 128 && dv == 128) return dispatch_dtype<128, 128>(p, loader, kmap, vmap, grid, stream);

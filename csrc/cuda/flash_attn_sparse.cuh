@@ -39,8 +39,11 @@ struct SparseParams {
 constexpr int kMaxHeads = 16;
 
 // (D, Dv) pairs with a tiled instantiation (launch_sparse_tiled): the dense kernel's head sizes
-// and MLA's 576-wide latent rows with V as their first 512 columns.
+// and MLA's 576-wide latent rows with V as their first 512 columns. Packed MLA rows (kv_format) are
+// (512, 512) e4m3 with V from K and a 64-channel bf16 K tail (kPackedTail), loaded as a second tile
+// through its own byte-offset view of the rows.
 constexpr int kTiledHeadDims[][2] = {{64, 64}, {96, 96}, {128, 128}, {256, 256}, {576, 512}};
+constexpr int kPackedTail = 64;
 
 // Byte offsets into the (1024-aligned) dynamic shared memory; sized per call
 // on the host (heads per CTA, FP8 groups, V from K), used as is by the kernel.
@@ -48,7 +51,8 @@ constexpr int kTiledHeadDims[][2] = {{64, 64}, {96, 96}, {128, 128}, {256, 256},
 struct SparseSmem {
   int stage_bytes;  // one stage: K tile, then the V tile (none when V is read from the K rows)
   int v_tile;       // offset of the V tile within a stage
-  int q;            // float [heads][D]: the CTA's query rows
+  int tail_tile;    // offset of K's tail tile within a stage (packed rows' rope), after K and V
+  int q;            // float [heads][D + tail]: the CTA's query rows
   int scores;       // float [kWarps][heads][kTileRows]: score partials, one per warp's slice of D
   int probs;        // float [heads][kTileRows]: this tile's 2^(s - m)
   int alpha;        // float [heads]: this tile's rescale of the accumulators
@@ -71,10 +75,11 @@ struct TiledParams {
   int kv_aligned;       // 16-byte bases and strides: cp.async, else plain loads
   int k_groups, v_groups;  // FP8 scales per row of K, V
   int64_t rows_per_page;   // gather4: 2-D map rows per page (pkv_cache_rows_per_page)
+  pkv_cache_view tail;     // K's tail as a bf16 view of the rows (packed rows' rope); head_dim 0: none
 };
 
 // The CTA's shared-memory layout for these sizes (flash_attn_paged_sparse.cu).
-SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups);
+SparseSmem sparse_smem(int d, int dv, int es, bool v_from_k, int heads, int k_groups, int v_groups, int tail);
 // Largest dynamic shared memory a kernel of `device` may opt into, read once per device
 // (flash_attn_paged_sparse.cu).
 int device_smem_optin(int device);

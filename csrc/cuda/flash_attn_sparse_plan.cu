@@ -57,7 +57,11 @@ bool v_is_k_prefix(const SparseParams &s) {
 // Why the tiled kernel cannot serve these arguments, or null when it can (the loader aside).
 const char *tiled_refusal(const SparseParams &s) {
   const pkv_dtype kd = s.k.dtype;
-  if (s.k_tail_dim != 0) return "packed MLA rows (the portable kernel reads their rope)";
+  if (s.k_tail_dim != 0) {  // packed MLA rows: e4m3 latent, V from K, a 64-channel rope tail
+    const bool packed = kd == PKV_DTYPE_FP8_E4M3 && s.k_tail_dim == kPackedTail && s.k.head_dim == 512 &&
+                        s.v.head_dim == 512 && v_is_k_prefix(s) && s.k_tail_offset % 16 == 0;
+    return packed ? nullptr : "a K tail other than packed MLA rows'";
+  }
   if (kd != s.v.dtype) return "K and V of different dtypes";
   if (kd != PKV_DTYPE_BF16 && kd != PKV_DTYPE_F16 && !pkv_dtype_is_fp8(kd)) return "a float32 cache";
   bool dims = false;
@@ -68,14 +72,30 @@ const char *tiled_refusal(const SparseParams &s) {
   return nullptr;
 }
 
+// K's tail as a bf16 view of the K rows (packed MLA rows' rope, k_tail_offset bytes into each row;
+// the rows' strides are whole bf16 elements, pkv_kv_format.c checks it); head_dim 0 when none.
+pkv_cache_view tail_view(const SparseParams &s) {
+  pkv_cache_view t = s.k;
+  t.head_dim = s.k_tail_dim;
+  if (s.k_tail_dim == 0) return t;
+  t.data = static_cast<char *>(s.k.data) + s.k_tail_offset;
+  t.dtype = PKV_DTYPE_BF16;
+  t.stride_page = s.k.stride_page * s.k_elem_bytes / 2;
+  t.stride_token = s.k.stride_token * s.k_elem_bytes / 2;
+  t.stride_head = s.k.stride_head * s.k_elem_bytes / 2;
+  return t;
+}
+
 bool gather4_fits(const SparseParams &s, bool v_from_k) {
   if (!tma_rows_ok(s.k)) return false;
+  if (s.k_tail_dim != 0) return v_from_k && tma_rows_ok(tail_view(s));
   if (v_from_k) return true;
   return tma_rows_ok(s.v) && pkv_cache_rows_per_page(&s.k) == pkv_cache_rows_per_page(&s.v);
 }
 
 cudaError_t encode_sparse_maps(const SparseParams &s, bool v_from_k, CUtensorMap *kmap, CUtensorMap *vmap) {
   PKV_CUDA_TRY(tma_map_rows(kmap, s.k));
+  if (s.k_tail_dim != 0) return tma_map_rows(vmap, tail_view(s));  // V is read from K: vmap maps the tail
   if (v_from_k) {
     *vmap = *kmap;  // unused
     return cudaSuccess;
@@ -91,7 +111,9 @@ TiledParams tiled_params(const SparseParams &s) {
   p.v_from_k = v_is_k_prefix(s);
   const bool fp8 = pkv_dtype_is_fp8(s.k.dtype);
   const int es = fp8 ? 1 : 2;
-  p.kv_aligned = pkv_cache_aligned(&s.k, es, 16) && pkv_cache_aligned(&s.v, es, 16);
+  p.tail = tail_view(s);
+  p.kv_aligned = pkv_cache_aligned(&s.k, es, 16) && pkv_cache_aligned(&s.v, es, 16) &&
+                 (s.k_tail_dim == 0 || pkv_cache_aligned(&p.tail, 2, 16));
   p.k_groups = fp8 ? static_cast<int>(pkv_num_groups(s.k.head_dim, s.quant_group)) : 0;
   p.v_groups = fp8 ? static_cast<int>(pkv_num_groups(s.v.head_dim, s.quant_group)) : 0;
   p.rows_per_page = pkv_cache_rows_per_page(&s.k);
@@ -103,7 +125,7 @@ TiledParams tiled_params(const SparseParams &s) {
     p.softcap_log2 = 0.0f;
   }
   p.smem = sparse_smem(static_cast<int>(s.k.head_dim), static_cast<int>(s.v.head_dim), es, p.v_from_k,
-                       p.heads_per_cta, p.k_groups, p.v_groups);
+                       p.heads_per_cta, p.k_groups, p.v_groups, static_cast<int>(s.k_tail_dim));
   return p;
 }
 
