@@ -5,7 +5,8 @@ paged_store writes the bytes of `reference.pack_mla_rows` exactly and paged_load
 finite float32) read the same way; attention (dense with causal, window, softcap, sinks, lse and
 .out; sparse) matches the float64 reference over the logical keys and values; every rule of the
 format raises a RuntimeError naming its argument with the cache unchanged; opcheck and the fakes.
-CUDA runs store and load; its attention kernels refuse packed rows yet, so those cases skip there.
+Every test runs on CUDA too where there is one (attention on its portable kernels; a configuration
+the CUDA kernels refuse skips there).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def test_attention_matches_reference(device, name, kv_format, q_dtype, page_size
     out = supported_or_skip(device, pagedkv.flash_attn_paged, *args, **kwargs)
     expected, _ = reference_lse(args, kwargs)
     assert out.shape == (args[0].shape[0], heads, LATENT_DIM)
-    assert_attention_close(out, expected, q_dtype, f"{name} {kv_format}")
+    assert_attention_close(out, expected, q_dtype, f"{name} {kv_format}", q16_on_cuda=True)
     assert torch.equal(args[2], before)
 
 
@@ -260,12 +261,12 @@ def test_lse_and_out_variant(device, name, kv_format):
     args, kwargs = attention_call(gen, name, kv_format, torch.float32, 16, 16, device)
     out, lse = supported_or_skip(device, pagedkv.flash_attn_paged_lse, *args, **kwargs)
     expected, expected_lse = reference_lse(args, kwargs)
-    assert_attention_close(out, expected, torch.float32, f"lse {name} {kv_format}")
-    assert_lse_close(lse, expected_lse, torch.float32, f"lse {name} {kv_format}")
+    assert_attention_close(out, expected, torch.float32, f"lse {name} {kv_format}", q16_on_cuda=True)
+    assert_lse_close(lse, expected_lse, torch.float32, f"lse {name} {kv_format}", q16_on_cuda=True)
     buffer = torch.full_like(out, float("nan"))
     assert pagedkv.flash_attn_paged(*args, **kwargs, out=buffer) is buffer
     assert torch.equal(buffer, pagedkv.flash_attn_paged(*args, **kwargs))
-    assert_attention_close(buffer, expected, torch.float32, f".out {name} {kv_format}")
+    assert_attention_close(buffer, expected, torch.float32, f".out {name} {kv_format}", q16_on_cuda=True)
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
