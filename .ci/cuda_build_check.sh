@@ -141,18 +141,50 @@ check_nvcc_compile() {
   fi
 }
 
+# The torch shims (csrc/torch/*.cpp, ops_cuda.cpp included) are built only where a CUDA torch is:
+# without one (nvcc mode), check that they at least compile against that torch's headers, taken
+# from the local CUDA torch wheel (its torch/include, extracted once into $WORK), C++ syntax only:
+# 6 files, ~1.5 min on 2 cores.
+check_shim_syntax() {
+  if [ ! -f "$WHEEL" ]; then
+    say "SKIP torch shim syntax check: no CUDA torch wheel at $WHEEL"
+    return
+  fi
+  local inc="$WORK/torch-headers" py_inc f
+  if [ ! -f "$inc/torch/include/torch/library.h" ]; then
+    python3 -c "import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('torch/include/')])" "$WHEEL" "$inc" ||
+      { fail "extracting torch/include from $WHEEL"; return; }
+  fi
+  py_inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+  for f in "$ROOT"/csrc/torch/*.cpp; do
+    if ! g++ -fsyntax-only -std=c++20 -fPIC -I"$inc/torch/include" -I"$inc/torch/include/torch/csrc/api/include" \
+      -I"$CUDA_HOME/include" -I"$py_inc" -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1 "$f" \
+      >"$WORK/shim_$(basename "$f").log" 2>&1; then
+      fail "$(basename "$f") does not compile against $(basename "$WHEEL")'s headers"
+      head -20 "$WORK/shim_$(basename "$f").log"
+    fi
+  done
+  say "torch shims: $(ls "$ROOT"/csrc/torch/*.cpp | wc -l) files checked against $(basename "$WHEEL")'s headers"
+}
+
 case "$MODE" in
 venv)
   setup_venv || { fail "could not install a CUDA torch into $VENV"; exit 1; }
   check_venv_build
   ;;
-nvcc) check_nvcc_compile ;;
+nvcc)
+  check_nvcc_compile
+  check_shim_syntax
+  ;;
 *)
   if setup_venv; then
     check_venv_build
   else
     say "no CUDA torch could be installed into $VENV: compiling the .cu files with nvcc only"
     check_nvcc_compile
+    check_shim_syntax
   fi
   ;;
 esac

@@ -89,12 +89,16 @@ static pkv_status check_packed_cache(pkv_kv_format f, const pkv_tensor *c, const
   if (c->dtype != PKV_DTYPE_U8)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must be uint8 (packed rows) for kv_format='%s', got %s", op, name,
                     fmt, pkv_dtype_name(c->dtype));
-  if (c->ndim != 4 || c->sizes[2] != 1 || c->sizes[3] != l->row_bytes)
+  if (c->ndim != 4)
     return pkv_fail(err, PKV_ERR_ARGUMENT,
-                    "%s: %s must be [N, P, 1, %lld] (one %lld-byte row per token) for kv_format='%s', got %d-D "
-                    "with last size %lld",
-                    op, name, (long long)l->row_bytes, (long long)l->row_bytes, fmt, c->ndim,
-                    c->ndim > 0 && c->ndim <= PKV_MAX_DIMS ? (long long)c->sizes[c->ndim - 1] : -1LL);
+                    "%s: %s must be [N, P, 1, %lld] (one %lld-byte row per token) for kv_format='%s', got %d-D",
+                    op, name, (long long)l->row_bytes, (long long)l->row_bytes, fmt, c->ndim);
+  if (c->sizes[2] != 1 || c->sizes[3] != l->row_bytes)
+    return pkv_fail(err, PKV_ERR_ARGUMENT,
+                    "%s: %s must be [N, P, 1, %lld] (one latent head, one %lld-byte row per token) for "
+                    "kv_format='%s', got [%lld, %lld, %lld, %lld]",
+                    op, name, (long long)l->row_bytes, (long long)l->row_bytes, fmt, (long long)c->sizes[0],
+                    (long long)c->sizes[1], (long long)c->sizes[2], (long long)c->sizes[3]);
   if (c->sizes[1] < 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s page size (size(1)) must be >= 1, got 0", op, name);
   if (c->strides[3] != 1)
