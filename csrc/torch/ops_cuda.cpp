@@ -100,6 +100,13 @@ void broadcast_scale(pkv_tensor &s, const pkv_tensor &cache, int64_t group, cons
   pkv_scales_broadcast(&s, &cache, group, keep.data_ptr<float>());
 }
 
+// The tensor behind an unpacked call's V scales: for packed rows V is the K rows' latent, scaled by
+// K's scales (the caller's k_scales for fp8_rope; views of the rows for fp8_ds_mla).
+const std::optional<at::Tensor> &unpacked_v_scales(pkv_kv_format format, const std::optional<at::Tensor> &k_scales,
+                                                   const std::optional<at::Tensor> &v_scales) {
+  return format == PKV_KV_PLAIN ? v_scales : k_scales;
+}
+
 void paged_store_cuda(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
                       const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
                       const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
@@ -158,15 +165,16 @@ void attn_cuda(const pkv_attn_args &call, const at::Tensor &q, const at::Tensor 
   pkv_attn_args a;
   pkv_error unpack_err{};
   raise_if_failed(pkv_attn_unpack(&call, &a, &unpack_err), unpack_err);
+  const std::optional<at::Tensor> &v_scales_of = unpacked_v_scales(call.kv_format, k_scales, v_scales);
   check_args<pkv_attn_args>(a, pkv_attn_check,
                             {{&pkv_attn_args::input_row_offsets, &input_row_offsets},
                              {&pkv_attn_args::cache_lengths, &cache_lengths},
                              {&pkv_attn_args::lookup_table, &lookup_table},
                              {&pkv_attn_args::k_scales, per_tensor_scale(k_scales)},
-                             {&pkv_attn_args::v_scales, per_tensor_scale(v_scales)}});
+                             {&pkv_attn_args::v_scales, per_tensor_scale(v_scales_of)}});
   at::Tensor k_scale_groups, v_scale_groups;
   broadcast_scale(a.k_scales, a.k_cache, a.quant_group, k_scales, k_scale_groups);
-  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales, v_scale_groups);
+  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales_of, v_scale_groups);
   // The kernels attend with 16-bit queries. Float32 ones (checked above as the caller gave them) run
   // through a 16-bit copy in the cache's dtype (bf16 for FP8 caches), and the output comes back in
   // float32: CUDA's accuracy is then that of 16-bit queries. Float32 caches stay unsupported.
@@ -258,13 +266,14 @@ at::Tensor flash_attn_paged_sparse_cuda(const at::Tensor &q, const at::Tensor &k
   pkv_sparse_args a;
   pkv_error unpack_err{};
   raise_if_failed(pkv_sparse_unpack(&call, &a, &unpack_err), unpack_err);
+  const std::optional<at::Tensor> &v_scales_of = unpacked_v_scales(call.kv_format, k_scales, v_scales);
   check_args<pkv_sparse_args>(a, pkv_sparse_check,
                               {{&pkv_sparse_args::indices, &indices},
                                {&pkv_sparse_args::k_scales, per_tensor_scale(k_scales)},
-                               {&pkv_sparse_args::v_scales, per_tensor_scale(v_scales)}});
+                               {&pkv_sparse_args::v_scales, per_tensor_scale(v_scales_of)}});
   at::Tensor k_scale_groups, v_scale_groups;
   broadcast_scale(a.k_scales, a.k_cache, a.quant_group, k_scales, k_scale_groups);
-  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales, v_scale_groups);
+  broadcast_scale(a.v_scales, a.v_cache, a.quant_group, v_scales_of, v_scale_groups);
   pkv_error err{};
   raise_if_failed(pkv_cuda_sparse_supported(&a, &err), err);
   // the forced loader (set_cuda_loader) applies here too: cp.async or tma-gather4 for the tiled kernel

@@ -78,3 +78,30 @@ def test_dense_mla_k_only_cache(cache_dtype, new, cached):
                                    on(table), **{k: on(v) if isinstance(v, torch.Tensor) else v
                                                  for k, v in kwargs.items()})
     assert_attention_close(out.cpu(), expected, torch.bfloat16, f"MLA {cache_dtype}")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_host_checks_read_the_per_tensor_scale_on_the_host(kernel_options, kv_format):
+    """With host checks on, the shims copy a per-tensor scale to the host before its value check: for
+    packed rows V's scales are K's (the caller's k_scales), never a device pointer read on the host."""
+    kernel_options(checks=True)
+    gen = generator(seed_from("cuda-checks", kv_format))
+    num_pages, page_size, heads = 3, 16, 16
+    scale = tensor_scale(kv_format)
+    cache = producer_rows(gen, kv_format, (num_pages, page_size, 1), scale)
+    offsets = torch.tensor([0, 1], dtype=torch.int32)
+    lengths = torch.tensor([40], dtype=torch.int32)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    q = randn(gen, (1, heads, KEY_DIM), torch.bfloat16)
+    indices = torch.arange(0, 48, 3, dtype=torch.int32).view(1, 1, -1)
+    on = (lambda t: None if t is None else t.to("cuda"))
+    dense = pagedkv.flash_attn_paged(on(q), on(offsets), on(cache), None, on(lengths), on(table),
+                                     k_scales=on(scale), kv_format=kv_format)
+    sparse = pagedkv.flash_attn_paged_sparse(on(q), on(cache), None, on(indices), k_scales=on(scale),
+                                             kv_format=kv_format)
+    assert_attention_close(dense.cpu(), ref.flash_attn_paged(q, offsets, cache, None, lengths, table, k_scales=scale,
+                                                             kv_format=kv_format), torch.bfloat16, "dense, checks on")
+    assert_attention_close(sparse.cpu(), ref.flash_attn_paged_sparse(q, cache, None, indices, k_scales=scale,
+                                                                     kv_format=kv_format),
+                           torch.bfloat16, "sparse, checks on")
