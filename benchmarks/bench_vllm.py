@@ -14,12 +14,17 @@ backend, output tokens/s, the pagedkv/vLLM speed ratio, and whether the two back
 same tokens. Each run also sums the wall time of the backend's attention calls (pagedkv: forward,
 which stores K/V too; vLLM: forward plus its separate KV-cache update), split into prefill steps (any
 request with more than one new token) and decode-only steps: on a shared machine the end-to-end time
-mixes in everything else the model does, this is where the backends differ. Results go to
-benchmarks/results/vllm_offline_cpu[_quick][_DTYPE].{json,md} (no dtype suffix for float32).
+mixes in everything else the model does, this is where the backends differ.
+
+--fp8 compares FP8 KV caches (vLLM's kv_cache_dtype="fp8", e4m3 with per-tensor scales) in three runs:
+pagedkv with an FP8 cache, pagedkv with a 16-bit cache of the model's dtype, vLLM's CPU attention with an FP8
+cache; the model's dtype defaults to bfloat16 there (FP8 caches serve 16-bit models). Results go to
+benchmarks/results/vllm_offline_cpu[_fp8][_quick][_DTYPE].{json,md} (no dtype suffix for float32).
 
   .deps/vllm-venv/bin/python benchmarks/bench_vllm.py            # 8 x 2048-token prompts, 128 new tokens, 3 rounds
   .deps/vllm-venv/bin/python benchmarks/bench_vllm.py --quick    # 4 x 512-token prompts, 32 new tokens, 1 round
   .deps/vllm-venv/bin/python benchmarks/bench_vllm.py --dtype bfloat16 --rounds 1
+  .deps/vllm-venv/bin/python benchmarks/bench_vllm.py --fp8 --rounds 1   # bfloat16 model, FP8 caches
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ ROOT = os.path.dirname(HERE)
 FULL = dict(requests=8, prompt_tokens=2048, new_tokens=128, rounds=3)
 QUICK = dict(requests=4, prompt_tokens=512, new_tokens=32, rounds=1)
 BACKENDS = ("pagedkv", "vllm")
+
+
+def run_configs(args) -> list[tuple[str, str, str]]:
+    """(row label, backend, kv_cache_dtype) of each run of a round, in the order they alternate."""
+    if not args.fp8:
+        return [(backend, backend, "auto") for backend in BACKENDS]
+    return [("pagedkv, fp8 cache", "pagedkv", "fp8"), (f"pagedkv, {args.dtype} cache", "pagedkv", "auto"),
+            ("vllm, fp8 cache", "vllm", "fp8")]
 
 
 def time_attention(backend: str, max_decode_rows: int) -> dict:
@@ -81,7 +94,8 @@ def one_run(args) -> None:
     vocab = 49152 if args.vocab is None else args.vocab
     prompts = [{"prompt_token_ids": torch.randint(100, vocab, (args.prompt_tokens,), generator=generator).tolist()}
                for _ in range(args.requests)]
-    llm = LLM(model=args.model, dtype=args.dtype, block_size=128, max_model_len=args.prompt_tokens + args.new_tokens,
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=128,
+              max_model_len=args.prompt_tokens + args.new_tokens,
               max_num_seqs=args.requests, enable_prefix_caching=False, enforce_eager=True, seed=0,
               kv_cache_memory_bytes=args.kv_cache_mib << 20, gpu_memory_utilization=0.1)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -94,10 +108,10 @@ def one_run(args) -> None:
     print("RESULT " + json.dumps({"seconds": seconds, "attention_s": attention, "tokens": tokens}), flush=True)
 
 
-def spawn(args, backend: str) -> dict:
+def spawn(args, backend: str, kv_cache_dtype: str) -> dict:
     env = dict(os.environ, PAGEDKV_VLLM="1" if backend == "pagedkv" else "0")
     command = [sys.executable, os.path.abspath(__file__), "--child", "--backend", backend, "--dtype", args.dtype,
-               "--model", args.model,
+               "--kv-cache-dtype", kv_cache_dtype, "--model", args.model,
                "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--kv-cache-mib", str(args.kv_cache_mib)]
     run = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -120,31 +134,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--vocab", type=int)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="the model's dtype: float32 (bfloat16 with --fp8) unless given")
+    parser.add_argument("--fp8", action="store_true", help="FP8 KV caches: pagedkv fp8, pagedkv 16-bit, vLLM fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.fp8 else "float32"
     if args.child:
         one_run(args)
         return
 
-    runs = {backend: [] for backend in BACKENDS}
+    configs = run_configs(args)
+    runs = {label: [] for label, _, _ in configs}
     tokens = {}
     load = [os.getloadavg()[0]]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for round_index in range(args.rounds):
-        for backend in BACKENDS:
-            result = spawn(args, backend)
+        for label, backend, kv_cache_dtype in configs:
+            result = spawn(args, backend, kv_cache_dtype)
             load.append(os.getloadavg()[0])
-            runs[backend].append({"seconds": result["seconds"], "attention_s": result["attention_s"]})
-            tokens[backend] = result["tokens"]
+            runs[label].append({"seconds": result["seconds"], "attention_s": result["attention_s"]})
+            tokens[label] = result["tokens"]
             attention = result["attention_s"]
-            print(f"round {round_index + 1}/{args.rounds} {backend}: {result['seconds']:.2f} s (attention: prefill "
+            print(f"round {round_index + 1}/{args.rounds} {label}: {result['seconds']:.2f} s (attention: prefill "
                   f"{attention['prefill']:.2f} s, decode {attention['decode']:.2f} s; load {load[-1]:.2f})", flush=True)
-    write_results(args, runs, tokens["pagedkv"] == tokens["vllm"], started, load)
+    write_results(args, configs, runs, tokens, started, load)
 
 
 def median_of(backend_runs, pick) -> float:
@@ -157,51 +177,80 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs"
 
 
-def write_results(args, runs, same, started, load) -> None:
+def same_requests(tokens_a, tokens_b) -> int:
+    """How many requests two runs completed with the same tokens."""
+    return sum(a == b for a, b in zip(tokens_a, tokens_b, strict=True))
+
+
+def write_results(args, configs, runs, tokens, started, load) -> None:
     output_tokens = args.requests * args.new_tokens
     phases = ("prefill", "decode")
     rows = {}
-    for backend, backend_runs in runs.items():
+    for label, backend_runs in runs.items():
         median_s = median_of(backend_runs, lambda run: run["seconds"])
-        rows[backend] = {"median_s": median_s, "output_tokens_per_s": output_tokens / median_s, "runs": backend_runs}
+        rows[label] = {"median_s": median_s, "output_tokens_per_s": output_tokens / median_s, "runs": backend_runs}
         for phase in phases:
-            rows[backend][f"median_attention_{phase}_s"] = median_of(backend_runs, lambda run: run["attention_s"][phase])
-    ratio = rows["vllm"]["median_s"] / rows["pagedkv"]["median_s"]
-    attention_ratio = {phase: rows["vllm"][f"median_attention_{phase}_s"] / rows["pagedkv"][f"median_attention_{phase}_s"]
-                       for phase in phases}
+            rows[label][f"median_attention_{phase}_s"] = median_of(backend_runs, lambda run: run["attention_s"][phase])
+
+    def ratios(ours: str, theirs: str) -> tuple[float, dict]:
+        """(end-to-end speed ratio, attention speed ratio per phase) of row `ours` over row `theirs`."""
+        return (rows[theirs]["median_s"] / rows[ours]["median_s"],
+                {phase: rows[theirs][f"median_attention_{phase}_s"] / rows[ours][f"median_attention_{phase}_s"]
+                 for phase in phases})
+
+    labels = [label for label, _, _ in configs]
+    # pagedkv's first row against vLLM's (the last), and with --fp8 the FP8 row against the 16-bit one
+    comparisons = [(labels[0], labels[-1])] + ([(labels[0], labels[1])] if args.fp8 else [])
     git = ["git", "-C", ROOT]
     commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     commit += " (with uncommitted changes)" if dirty else ""
     workload = (f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, "
-                f"{args.dtype}, block 128, {args.rounds} round(s), backends alternating pagedkv, vllm")
+                f"{args.dtype} model, block 128, {args.rounds} round(s), runs alternating {', '.join(labels)}")
     kind = "quick" if args.quick else "full"
-    table = [f"# vLLM offline throughput, pagedkv vs vLLM's CPU attention ({kind}, {args.dtype})", "",
+    title = "FP8 KV caches, " if args.fp8 else ""
+    same = {f"{a} / {b}": same_requests(tokens[a], tokens[b]) for a, b in comparisons}
+    table = [f"# vLLM offline throughput, pagedkv vs vLLM's CPU attention ({title}{kind}, {args.dtype})", "",
              f"SmolLM2-135M, {workload}.", "",
              f"Run {started}, commit {commit}; {machine()}; 1-minute load average before the first run and after "
              f"each: {', '.join(f'{x:.2f}' for x in load)} (a machine shared with other jobs: end-to-end times "
-             f"vary run to run). Same tokens from both backends: {same}.", "",
-             "| backend | median s | output tokens/s | attention in prefill steps, median s | attention in decode "
+             f"vary run to run). Requests with the same tokens (of {args.requests}): "
+             f"{'; '.join(f'{pair}: {count}' for pair, count in same.items())}.", "",
+             "| run | median s | output tokens/s | attention in prefill steps, median s | attention in decode "
              "steps, median s | runs: total s (prefill, decode attention s) |", "|---|---|---|---|---|---|"]
-    for backend in BACKENDS:
-        row = rows[backend]
+    for label in labels:
+        row = rows[label]
         each = ", ".join(f"{run['seconds']:.1f} ({run['attention_s']['prefill']:.1f}, {run['attention_s']['decode']:.2f})"
                          for run in row["runs"])
-        table.append(f"| {backend} | {row['median_s']:.2f} | {row['output_tokens_per_s']:.2f} | "
+        table.append(f"| {label} | {row['median_s']:.2f} | {row['output_tokens_per_s']:.2f} | "
                      f"{row['median_attention_prefill_s']:.2f} | {row['median_attention_decode_s']:.2f} | {each} |")
-    table += ["", f"End to end, pagedkv speed / vLLM CPU attention speed: {ratio:.2f}x. Attention alone (vLLM's "
-              f"time / pagedkv's): prefill steps {attention_ratio['prefill']:.2f}x, decode steps "
-              f"{attention_ratio['decode']:.2f}x."]
+    table.append("")
+    summary = {}
+    for ours, theirs in comparisons:
+        ratio, attention_ratio = ratios(ours, theirs)
+        summary[f"{ours} / {theirs}"] = {"speed_ratio": ratio, "attention_speed_ratio": attention_ratio}
+        table.append(f"{ours} against {theirs}: {ratio:.2f}x the speed end to end; attention alone ({theirs}'s "
+                     f"time / {ours}'s): prefill steps {attention_ratio['prefill']:.2f}x, decode steps "
+                     f"{attention_ratio['decode']:.2f}x.")
     print("\n".join(table))
-    suffix = ("_quick" if args.quick else "") + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    suffix = ("_fp8" if args.fp8 else "") + ("_quick" if args.quick else "") + (
+        "" if args.dtype == "float32" else f"_{args.dtype}")
     name = os.path.join(HERE, "results", "vllm_offline_cpu" + suffix)
     with open(name + ".md", "w") as f:
         f.write("\n".join(table) + "\n")
     with open(name + ".json", "w") as f:
         json.dump({"workload": workload, "started": started, "commit": commit, "machine": machine(),
-                   "load_average_1min": load, "rows": rows, "speed_ratio": ratio,
-                   "attention_speed_ratio": attention_ratio, "same_tokens": same}, f, indent=1)
+                   "lscpu": lscpu(), "load_average_1min": load, "rows": rows, "comparisons": summary,
+                   "same_requests": same}, f, indent=1)
+
+
+def lscpu() -> dict:
+    """lscpu's model name, cores, caches and flags (AVX-512 decides vLLM's CPU FP8 path), as far as present."""
+    run = subprocess.run(["lscpu"], capture_output=True, text=True)
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "L1d cache", "L2 cache", "L3 cache", "Flags")
+    fields = dict(line.split(":", 1) for line in run.stdout.splitlines() if ":" in line)
+    return {key: fields[key].strip() for key in keep if key in fields}
 
 
 if __name__ == "__main__":
