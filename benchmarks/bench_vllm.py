@@ -172,9 +172,18 @@ def median_of(backend_runs, pick) -> float:
 
 
 def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    return f"{model}, {os.cpu_count()} logical CPUs"
+    """The CPU as lscpu names it, with the vector extensions that pick vLLM's and pagedkv's CPU paths."""
+    fields = lscpu()
+    flags = fields.get("Flags", "").split()
+    if "amx_tile" in flags:
+        vector = "AMX"
+    elif "avx512f" in flags:
+        vector = "AVX-512" + (" with BF16" if "avx512_bf16" in flags else "") + ", no AMX"
+    else:
+        vector = "AVX2" if "avx2" in flags else "no AVX2"
+    return (f"{fields.get('Model name', 'unknown CPU')} (family {fields.get('CPU family', '?')}, model "
+            f"{fields.get('Model', '?')}), {fields.get('CPU(s)', '?')} CPUs, L2 {fields.get('L2 cache', '?')}, "
+            f"L3 {fields.get('L3 cache', '?')}, {vector} (lscpu)")
 
 
 def same_requests(tokens_a, tokens_b) -> int:
@@ -248,7 +257,8 @@ def write_results(args, configs, runs, tokens, started, load) -> None:
 def lscpu() -> dict:
     """lscpu's model name, cores, caches and flags (AVX-512 decides vLLM's CPU FP8 path), as far as present."""
     run = subprocess.run(["lscpu"], capture_output=True, text=True)
-    keep = ("Model name", "CPU(s)", "Thread(s) per core", "L1d cache", "L2 cache", "L3 cache", "Flags")
+    keep = ("Model name", "CPU family", "Model", "CPU(s)", "Thread(s) per core", "L1d cache", "L2 cache", "L3 cache",
+            "Flags")
     fields = dict(line.split(":", 1) for line in run.stdout.splitlines() if ":" in line)
     return {key: fields[key].strip() for key in keep if key in fields}
 
