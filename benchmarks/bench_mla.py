@@ -122,7 +122,7 @@ def main():
     common.print_targets(targets)
     if args.no_write:
         return
-    stem = args.out or common.result_stem("mla_decode", args.quick, args.cold)
+    stem = args.out or common.result_stem("mla", args.quick, args.cold)
     common.write_results(stem, "pagedkv CPU MLA decode", __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env,
                          ceiling, [{k: v for k, v in r.items()} for r in rows], cols, targets)
 

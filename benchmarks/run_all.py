@@ -1,6 +1,6 @@
 """Run every CPU benchmark of pagedkv, each in its own process (same method, see common.py).
 
-  python benchmarks/run_all.py --quick   # the CPU grid rows (decode, prefill, store, load), ~1 min each
+  python benchmarks/run_all.py --quick   # the CPU grid rows (decode, MLA decode, prefill, store, load), ~1 min each
   python benchmarks/run_all.py           # full: adds the page-size sweep, more shapes and sizes
   python benchmarks/run_all.py --quick --cold   # the same with DRAM-cold data (see common.py)
 
@@ -19,7 +19,7 @@ import sys
 from common import result_stem, run_suffix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = ["bench_decode.py", "bench_prefill.py", "bench_store.py", "bench_load.py"]
+SCRIPTS = ["bench_decode.py", "bench_mla.py", "bench_prefill.py", "bench_store.py", "bench_load.py"]
 
 
 def main():
