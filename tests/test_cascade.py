@@ -143,3 +143,39 @@ def test_torch_compile_cascade_fullgraph(device, backend):
     torch.testing.assert_close(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1])
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "fp8_rope"])
+def test_cascade_over_packed_mla_rows(device, kv_format):
+    """Packed MLA rows (kv_format, v_cache None): the cascade equals flash_attn_paged over the whole
+    sequences (the float64 reference), sinks and softcap on."""
+    gen = generator(seed_from("cascade-mla", kv_format))
+    page_size, shared_pages, heads = 8, 2, 16
+    own, new = [5, 0, 11], [1, 3, 1]
+    rows = len(own)
+    pages_per_row = shared_pages + max(-(-(o + n) // page_size) for o, n in zip(own, new))
+    num_pages = rows * pages_per_row
+    row_width = 656 if kv_format == "fp8_ds_mla" else 640
+    cache = torch.zeros(num_pages, page_size, 1, row_width, dtype=torch.uint8)
+    scale = torch.tensor([0.02]) if kv_format == "fp8_rope" else None
+    # store every row's keys (the prefix once, in row 0's pages) through the op itself
+    table = torch.randperm(num_pages, generator=gen).to(torch.int32).view(rows, pages_per_row)
+    table[:, :shared_pages] = table[:1, :shared_pages]
+    lengths = [shared_pages * page_size + o for o in own]
+    for b in range(rows):
+        first = 0 if b == 0 else shared_pages * page_size  # row 0 writes the prefix
+        count = lengths[b] + new[b] - first
+        keys = randn(gen, (count, 1, 576))
+        pagedkv.paged_store(keys, None, cache, None, torch.tensor([0, count], dtype=torch.int32),
+                            torch.tensor([first], dtype=torch.int32), table[b:b + 1], scale, kv_format=kv_format)
+    offsets = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    cache_lengths = torch.tensor(lengths, dtype=torch.int32)
+    q = randn(gen, (int(offsets[-1]), heads, 576))
+    sinks = randn(gen, (heads,))
+    common = dict(k_scales=scale, softcap=3.0, sinks=sinks, kv_format=kv_format)
+    on = (lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+    got = supported_or_skip(device, pagedkv.cascade_attention, on(q), on(offsets), on(cache), None,
+                            on(cache_lengths), on(table), shared_pages, **{k: on(v) for k, v in common.items()})
+    expected = ref.flash_attn_paged(q.double(), offsets, cache, None, cache_lengths, table, **common)
+    assert_attention_close(got.cpu(), expected, torch.float32, f"cascade {kv_format}", q16_on_cuda=True)

@@ -46,7 +46,7 @@ def cascade_attention(
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     cache_lengths: torch.Tensor,
     lookup_table: torch.Tensor,
     shared_pages: int,
@@ -57,6 +57,7 @@ def cascade_attention(
     quant_group: int = 128,
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    kv_format: Optional[str] = None,
 ) -> torch.Tensor:
     """`flash_attn_paged` for a batch whose rows share their first `shared_pages` logical pages.
 
@@ -65,7 +66,8 @@ def cascade_attention(
     `cache_lengths[b] >= shared_pages * P` (this step's queries come after the prefix). These two
     conditions are checked on the host on CPU always, on CUDA when checks are on
     (`pagedkv.set_checks(True)` / PAGEDKV_CHECK=1). No host synchronisation otherwise.
-    Returns `[T, Hq, Dv]` in q's dtype; padding rows are zeros.
+    Returns `[T, Hq, Dv]` in q's dtype; padding rows are zeros. Packed MLA rows (`kv_format`,
+    `v_cache=None`) as for `flash_attn_paged`.
     """
     if not isinstance(shared_pages, int) or isinstance(shared_pages, bool):
         raise TypeError(f"cascade_attention: shared_pages must be an int, got {type(shared_pages).__name__}")
@@ -80,7 +82,8 @@ def cascade_attention(
     if k_cache.device.type == "cpu" or checks_enabled():
         _check_shared_prefix(lookup_table, cache_lengths, shared_pages, prefix_len)
 
-    attn = dict(scale=scale, k_scales=k_scales, v_scales=v_scales, quant_group=quant_group, softcap=softcap)
+    attn = dict(scale=scale, k_scales=k_scales, v_scales=v_scales, quant_group=quant_group, softcap=softcap,
+                kv_format=kv_format)
     # 1. the prefix: all query rows as one row that sees every prefix key. A row holds at most
     #    prefix_len queries (its cache length prefix_len - n must not be negative), hence the chunks.
     prefix_table = lookup_table[:1, :shared_pages]
