@@ -59,15 +59,18 @@ def fp8_as_vllm_cpu(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     """
     limit = torch.finfo(fp8_dtype).max
     smallest_normal, spacing = FP8_SUBNORMALS[fp8_dtype]
-    value = x.to(torch.float32, copy=True).mul_(1.0 / scale)
+    value = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(1.0 / scale)
     value.nan_to_num_(nan=limit).clamp_(-limit, limit).add_(0.0)  # adding +0 turns an exact -0 into +0
-    subnormal = value.abs() < smallest_normal
-    below = value
+    # the few values below the normal range go to the subnormal grid apart (half the passes over the whole tensor)
+    flat = value.view(-1)
+    subnormal = torch.nonzero(flat.abs() < smallest_normal).squeeze(1)
+    below = flat[subnormal]
     if fp8_dtype == torch.float8_e4m3fn:
-        below = torch.round(value * (1.0 / E4M3_SUBNORMAL_GRID)).mul_(E4M3_SUBNORMAL_GRID)
+        below = torch.round(below * (1.0 / E4M3_SUBNORMAL_GRID)).mul_(E4M3_SUBNORMAL_GRID)
     below = torch.trunc(below * (1.0 / spacing)).mul_(spacing)
     value.view(torch.int32).bitwise_and_(FP8_TRUNCATION_MASK[fp8_dtype])
-    return torch.where(subnormal, below, value)
+    flat[subnormal] = below
+    return value
 
 
 class PagedKVAttentionBackend(AttentionBackend):
