@@ -502,3 +502,54 @@ def test_opcheck(device, kv_format):
     ]
     for op, args, op_kwargs in checks:
         supported_or_skip(device, torch.library.opcheck, op, args, op_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU decode paths over packed rows
+
+# one new token per row; the long rows split their keys (split-KV: few items)
+DECODE_ROWS = [(1100, 1), (37, 1), (0, 1)]
+DECODE_OPTIONS = {"plain": {}, "window": {"window_left": 700}, "softcap": {"softcap": 15.0}, "sinks": {"sinks": True},
+                  "lse": {}}
+
+
+def decode_grid():
+    """Each format, query head count (8: the float32 direct products' GQA limit, 16: the dot decode's
+    limit for tailed keys; 128, the tiles on every path, once) and option, page sizes taking turns."""
+    cases, turn = [], 0
+    for kv_format in FORMATS:
+        for heads in [8, 16, 128]:
+            for option in DECODE_OPTIONS if heads < 128 else ["plain"]:
+                page_size = PAGE_SIZES_MLA[turn % 3]
+                turn += 1
+                cases.append(pytest.param(kv_format, heads, page_size, option,
+                                          id=f"{kv_format}-H{heads}-P{page_size}-{option}"))
+    return cases
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("kv_format, heads, page_size, option", decode_grid())
+def test_decode_paths_match_reference(kernel_options, kv_format, heads, page_size, option, q_dtype):
+    """Decode over packed rows on every CPU decode path the ISA has, each against the float64 reference:
+    cpu_decode "auto" (bf16 q with AVX512-BF16: the dot decode, latent and rope tail in place, up to 16
+    query heads; else the float32 direct products up to 8), "fma" (the float32 direct products) and
+    "packed" (the converting tiles)."""
+    gen = generator(seed_from("decode paths", kv_format, heads, page_size, option, q_dtype))
+    cache, scale, batch = packed_setup(gen, kv_format, DECODE_ROWS, page_size, "cpu", padding=1)
+    q = randn(gen, (batch.num_tokens, heads, KEY_DIM), q_dtype)
+    options = DECODE_OPTIONS[option]
+    kwargs = dict({k: v for k, v in options.items() if k != "sinks"}, k_scales=scale, kv_format=kv_format)
+    if options.get("sinks"):
+        kwargs["sinks"] = randn(gen, (heads,), torch.float32)
+    args = (q, batch.input_row_offsets, cache, None, batch.cache_lengths, batch.lookup_table)
+    expected, expected_lse = reference_lse(args, kwargs)
+    for path in ("auto", "fma", "packed"):
+        kernel_options(cpu_decode=path)
+        what = f"decode {kv_format} H{heads} P{page_size} {option} cpu_decode={path}"
+        if option == "lse":
+            out, lse = pagedkv.flash_attn_paged_lse(*args, **kwargs)
+            assert_lse_close(lse, expected_lse, q_dtype, what)
+        else:
+            out = pagedkv.flash_attn_paged(*args, **kwargs)
+        assert_attention_close(out, expected, q_dtype, what)
