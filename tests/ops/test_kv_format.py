@@ -514,8 +514,8 @@ DECODE_OPTIONS = {"plain": {}, "window": {"window_left": 700}, "softcap": {"soft
 
 
 def decode_grid():
-    """Each format, query head count (8: the float32 direct products' GQA limit, 16: the dot decode's
-    limit for tailed keys; 128, the tiles on every path, once) and option, page sizes taking turns."""
+    """Each format, query head count (8: the float32 direct products' GQA limit; 16 and, once, 128: the
+    dot decode of bf16 q, the tiles for float32 q) and option, page sizes taking turns."""
     cases, turn = [], 0
     for kv_format in FORMATS:
         for heads in [8, 16, 128]:
@@ -532,7 +532,7 @@ def decode_grid():
 @pytest.mark.parametrize("kv_format, heads, page_size, option", decode_grid())
 def test_decode_paths_match_reference(kernel_options, kv_format, heads, page_size, option, q_dtype):
     """Decode over packed rows on every CPU decode path the ISA has, each against the float64 reference:
-    cpu_decode "auto" (bf16 q with AVX512-BF16: the dot decode, latent and rope tail in place, up to 16
+    cpu_decode "auto" (bf16 q with AVX512-BF16: the dot decode, latent and rope tail in place, up to 128
     query heads; else the float32 direct products up to 8), "fma" (the float32 direct products) and
     "packed" (the converting tiles)."""
     gen = generator(seed_from("decode paths", kv_format, heads, page_size, option, q_dtype))
