@@ -105,18 +105,15 @@ struct LoadPart {
   }
 };
 
-void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
-                     const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
-                     const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
-                     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
-                     int64_t quant_group, KvFormat kv_format) {
-  pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
-                                k_scales, v_scales, quant_group, kv_format);
-  pkv_store_args plain[2];
+// A call as its plain parts (one, or two for packed rows: pkv_store_unpack / pkv_load_unpack): every
+// part checked, then every part run.
+template <typename Part, typename Args>
+void run_parts(const Args &call, pkv_status (*unpack)(const Args *, Args *, int *, pkv_error *)) {
+  Args plain[2];
   int num_parts = 0;
   pkv_error err{};
-  raise_if_failed(pkv_store_unpack(&a, plain, &num_parts, &err), err);
-  StorePart parts[2];
+  raise_if_failed(unpack(&call, plain, &num_parts, &err), err);
+  Part parts[2];
   for (int i = 0; i < num_parts; i++) {
     parts[i].a = plain[i];
     parts[i].check();
@@ -124,20 +121,21 @@ void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &val
   for (int i = 0; i < num_parts; i++) parts[i].run();
 }
 
+void paged_store_cpu(const at::Tensor &key, const std::optional<at::Tensor> &value, const at::Tensor &k_cache,
+                     const std::optional<at::Tensor> &v_cache, const at::Tensor &input_row_offsets,
+                     const at::Tensor &cache_lengths, const at::Tensor &lookup_table,
+                     const std::optional<at::Tensor> &k_scales, const std::optional<at::Tensor> &v_scales,
+                     int64_t quant_group, KvFormat kv_format) {
+  pkv_store_args a = store_args(key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table,
+                                k_scales, v_scales, quant_group, kv_format);
+  run_parts<StorePart>(a, pkv_store_unpack);
+}
+
 void paged_load_cpu(const at::Tensor &cache, const std::optional<at::Tensor> &scales, const at::Tensor &lookup_table,
                     const at::Tensor &seq_lens, const at::Tensor &output_row_offsets, const at::Tensor &out,
                     int64_t quant_group, KvFormat kv_format) {
   pkv_load_args a = load_args(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group, kv_format);
-  pkv_load_args plain[2];
-  int num_parts = 0;
-  pkv_error err{};
-  raise_if_failed(pkv_load_unpack(&a, plain, &num_parts, &err), err);
-  LoadPart parts[2];
-  for (int i = 0; i < num_parts; i++) {
-    parts[i].a = plain[i];
-    parts[i].check();
-  }
-  for (int i = 0; i < num_parts; i++) parts[i].run();
+  run_parts<LoadPart>(a, pkv_load_unpack);
 }
 
 void attn_cpu(const pkv_attn_args &call) {
