@@ -167,12 +167,14 @@ if want racecheck; then
 fi
 
 if want memcheck; then
-  # the kernel-path tests first: every loader at >= 4 key tiles per CTA (the long cases), then the
-  # op grids; graphs excluded (the sanitizer serialises launches)
+  # the packed-row (kv_format) and MLA kernels first (the newest), then the kernel-path tests: every
+  # loader at >= 4 key tiles per CTA (the long cases), then the op grids; graphs excluded (the
+  # sanitizer serialises launches)
   log "compute-sanitizer memcheck on CUDA cases (limit ${GPU_T_MEMCHECK:-120}s)"
   if command -v compute-sanitizer >/dev/null; then
     timeout "${GPU_T_MEMCHECK:-120}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
       $PY -m pytest -v -p no:cacheprovider -k "cuda and not graph" \
+      tests/ops/test_kv_format_cuda_kernels.py tests/ops/test_kv_format.py \
       tests/ops/test_flash_attn_paged_kernel_paths.py tests/ops/test_paged_store.py tests/ops/test_paged_load.py \
       tests/ops/test_flash_attn_paged_sparse_kernel_paths.py tests/ops/test_merge_attn_states.py \
       tests/ops/test_flash_attn_paged_lse.py tests/ops/test_flash_attn_paged.py >"$OUT/memcheck.txt" 2>&1
