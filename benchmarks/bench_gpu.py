@@ -152,14 +152,11 @@ def options_already_set(options):
     return any(current[name] == value for name, value in options.items())
 
 
-# opt-in decode paths timed beside the default (A/B in one run; csrc/cuda/README.md)
-OTHER_PATHS = {
-    "k_fragments": {"cuda_fp8_k_fragments": True},
-}
+# opt-in decode paths timed beside the default (A/B in one run; csrc/cuda/README.md): name -> kernel
+# options; none at present (FP8 K fragments and 128-row prefill tiles became the defaults, 2026-11-28)
+OTHER_PATHS = {}
 # opt-in paths of prefill-like calls, timed beside the default prefill
-PREFILL_PATHS = {
-    "rows32": {"cuda_prefill_rows32": True},
-}
+PREFILL_PATHS = {}
 
 
 def bench_decode(timer, cfg, ceil):

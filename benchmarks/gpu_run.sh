@@ -9,10 +9,10 @@
 #
 # `all` is build, test, bench, memcheck (in that order, the most telling first); sass (it compiles
 # every target, minutes of device time; .ci/cuda_build_check.sh does the same check on any machine
-# with nvcc), racecheck (racecheck and synccheck on the opt-in FP8 decode path) and profile (Nsight Compute
-# on the attention kernels) only when named. Each stage has a time limit (seconds; env GPU_T_TEST,
-# GPU_T_BENCH, GPU_T_MEMCHECK, GPU_T_RACECHECK, and GPU_T_OPT_IN for the opt-in kernel paths' tests,
-# which run first), so one call fits the device tool's 10 minutes and what a stage measured before its
+# with nvcc), racecheck (racecheck and synccheck on the FP8 decode key split, whose warps sync on their
+# own rows) and profile (Nsight Compute on the attention kernels) only when named. Each stage has a time
+# limit (seconds; env GPU_T_TEST, GPU_T_BENCH, GPU_T_MEMCHECK, GPU_T_RACECHECK), so one call fits the
+# device tool's 10 minutes and what a stage measured before its
 # limit still lands in $OUT: pytest's log streams there, the benchmark rewrites its table per row.
 # Uses the machine's python3 (a CUDA torch); builds in place into python/pagedkv/.
 # Prebuilt: an extension built elsewhere against the same torch (benchmarks/gpu_prebuild.sh) waits in
@@ -122,16 +122,9 @@ if want test; then
   PAR=()
   has_module xdist && PAR+=(-n "${GPU_TEST_WORKERS:-8}")
   has_module pytest_timeout && PAR+=(--timeout "${GPU_TEST_TIMEOUT:-180}")
-  # the opt-in kernel paths first, on their own short limit: a wrong mbarrier count there hangs a kernel,
-  # and the whole suite must not spend the device time waiting on it; the suite then leaves them out
-  OPT_IN="k_fragments or prefill_rows32 or opt_in_paths or nan_before_every_window"
-  log "tests of the opt-in paths: -k '$OPT_IN' (limit ${GPU_T_OPT_IN:-90}s)"
-  OMP_NUM_THREADS=2 timeout "${GPU_T_OPT_IN:-90}" $PY -m pytest tests/ops/test_flash_attn_paged_kernel_paths.py -v \
-    -rfEs -p no:cacheprovider -k "$OPT_IN" "${PAR[@]}" >"$OUT/pytest.txt" 2>&1
-  log "opt-in pytest exit code $? (124: the limit): $(tail -1 "$OUT/pytest.txt")"
-  log "tests: pytest tests/ ${PAR[*]} (CUDA and CPU cases, but the opt-in paths; limit ${GPU_T_TEST:-300}s)"
+  log "tests: pytest tests/ ${PAR[*]} (CUDA and CPU cases; limit ${GPU_T_TEST:-300}s)"
   OMP_NUM_THREADS=2 timeout "${GPU_T_TEST:-300}" $PY -m pytest tests/ -v -rfEs -p no:cacheprovider \
-    --ignore=tests/vllm_integration -k "not ($OPT_IN)" "${PAR[@]}" >>"$OUT/pytest.txt" 2>&1
+    --ignore=tests/vllm_integration "${PAR[@]}" >"$OUT/pytest.txt" 2>&1
   log "pytest exit code $?: $(tail -1 "$OUT/pytest.txt")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
@@ -148,8 +141,8 @@ if want bench; then
 fi
 
 if want racecheck; then
-  # shared-memory hazards and barrier misuse of the opt-in FP8 decode path (a warp barrier where a block
-  # barrier was): compute-sanitizer's racecheck (it sees threads' shared stores and loads, not TMA's
+  # shared-memory hazards and barrier misuse of the FP8 decode key split's K fragments (a warp barrier
+  # where a block barrier was): compute-sanitizer's racecheck (it sees threads' shared stores and loads, not TMA's
   # writes) and synccheck, on a few of its cases
   RACE_K="k_fragments and 128-16 and not e5m2 and not e4m3fn-float16"  # D 128, page 16
   log "compute-sanitizer racecheck and synccheck on -k '$RACE_K' (limit ${GPU_T_RACECHECK:-120}s each)"

@@ -65,6 +65,9 @@ def test_cascade_is_exact_at_large_scores(device, cache_dtype, score):
     """Every key scores `score` (1e5..1e7): the prefix's 4 keys hold V = 1, the row's own 4 keys V = 3,
     so the attention is exactly 2. The two partial log-sum-exps are equal; merging them through a
     float32 logaddexp gave 2.008 to 2.5 here."""
+    if device == "cuda" and cache_dtype == torch.float16 and abs(score) > torch.finfo(torch.float16).max:
+        pytest.skip("CUDA multiplies queries in the cache's 16-bit type: a query element of "
+                    f"{score:g} is past float16's range")
     page, dim = 4, 8
     k_cache = torch.zeros((3, page, 1, dim), dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
@@ -178,4 +181,4 @@ def test_cascade_over_packed_mla_rows(device, kv_format):
     got = supported_or_skip(device, pagedkv.cascade_attention, on(q), on(offsets), on(cache), None,
                             on(cache_lengths), on(table), shared_pages, **{k: on(v) for k, v in common.items()})
     expected = ref.flash_attn_paged(q.double(), offsets, cache, None, cache_lengths, table, **common)
-    assert_attention_close(got.cpu(), expected, torch.float32, f"cascade {kv_format}", q16_on_cuda=True)
+    assert_attention_close(got, expected, torch.float32, f"cascade {kv_format}", q16_on_cuda=True)

@@ -33,7 +33,7 @@ static void settings_ready(void) {
 }
 
 #define PKV_SETTINGS_FIELDS(X)                                                                                    \
-  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse) X(cuda_fp8_k_fragments) X(cuda_prefill_rows32)
+  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse)
 
 pkv_settings pkv_settings_get(void) {
   settings_ready();
@@ -58,10 +58,6 @@ pkv_status pkv_settings_set(const pkv_settings *s, pkv_error *err) {
   if ((int)s->cuda_sparse < 0 || s->cuda_sparse >= PKV_CUDA_SPARSE_COUNT)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_sparse_kernel must be 0 (auto) or 1 (portable), got %d",
                     (int)s->cuda_sparse);
-  if (s->cuda_fp8_k_fragments != 0 && s->cuda_fp8_k_fragments != 1)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_fp8_k_fragments must be 0 or 1, got %d", s->cuda_fp8_k_fragments);
-  if (s->cuda_prefill_rows32 != 0 && s->cuda_prefill_rows32 != 1)
-    return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_prefill_rows32 must be 0 or 1, got %d", s->cuda_prefill_rows32);
   settings_ready();
 #define PKV_STORE(f) __atomic_store_n(&g_settings.f, s->f, __ATOMIC_RELAXED);
   PKV_SETTINGS_FIELDS(PKV_STORE)

@@ -7,7 +7,7 @@
 namespace pkv {
 
 constexpr int kAttnRowsM = 64;    // packed (query row, query head) rows per CTA
-constexpr int kAttnRowsM32 = 128;  // the same with 32 rows per warp (kernel option cuda_prefill_rows32)
+constexpr int kAttnRowsM32 = 128;  // the same with 32 rows per warp (prefill on 16-bit caches, D <= 128)
 constexpr int kMaxSplits = 32;  // the combine kernel keeps one split per lane
 
 // Keys per K/V tile of the attention kernel for head size d.

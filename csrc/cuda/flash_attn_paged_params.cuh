@@ -11,7 +11,7 @@
 namespace pkv {
 namespace {
 
-constexpr int kAttnThreads = 128;  // 4 warps x 16 (cuda_prefill_rows32: 32) packed query rows
+constexpr int kAttnThreads = 128;  // 4 warps x 16 (128-row prefill tiles: 32) packed query rows
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLazySlack = 8.0f;  // 128-row tiles: how far (log2) a row's maximum may rise before O is rescaled
 
@@ -58,7 +58,6 @@ struct AttnParams {
   int e4m3;
   int q_aligned, out_aligned, kv_aligned;
   int box_rows;
-  int fp8_k_fragments; // opt-in, FP8 key split: K's MMA fragments straight from the raw tile, scales on the scores
   float *partial_out;  // [S, T, Hq, Dv]
   float *partial_lse;  // [S, T, Hq]
   const float *sinks;  // [Hq] or null: exp(sinks[h]) joins head h's softmax denominator

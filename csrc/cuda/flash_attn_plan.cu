@@ -213,8 +213,6 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   plan->num_splits = static_cast<int>(splits);
   plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
   plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
-  plan->fp8_k_fragments = settings.cuda_fp8_k_fragments;
-  plan->prefill_rows32 = settings.cuda_prefill_rows32;
   plan->portable = 0;
   return PKV_OK;
 }

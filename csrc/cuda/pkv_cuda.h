@@ -59,8 +59,6 @@ typedef struct {
   int num_splits;            /* 1: no split-KV */
   int64_t partial_out_floats; /* [num_splits, T, Hq, Dv] */
   int64_t partial_lse_floats; /* [num_splits, T, Hq] */
-  int fp8_k_fragments;        /* the opt-in paths of the settings (pkv_settings.h), read with the plan */
-  int prefill_rows32;
   int portable;               /* 1: the portable kernel (flash_attn_paged_portable.cu: MLA, K tails, other heads) */
 } pkv_cuda_attn_plan;
 

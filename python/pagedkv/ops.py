@@ -249,8 +249,6 @@ _KERNEL_OPTIONS = {
     "cuda_loader": ("auto", "cp.async", "tma-pages", "tma-gather4"),
     "cuda_splits": int,
     "cuda_sparse_kernel": ("auto", "portable"),
-    "cuda_fp8_k_fragments": bool,
-    "cuda_prefill_rows32": bool,
 }
 _FIRST_CODE = {"cuda_loader": -1}
 
@@ -278,8 +276,6 @@ def set_kernel_options(**options) -> dict:
     cuda_splits: 0 (the plan's rule) or n >= 1 split-KV CTAs forced on CUDA. Initial value from
         PAGEDKV_CUDA_SPLITS=n.
     cuda_sparse_kernel: "auto" or "portable" (flash_attn_paged_sparse's portable kernel always).
-    cuda_fp8_k_fragments, cuda_prefill_rows32: opt-in CUDA paths, compiled and not yet run on a GPU
-        (csrc/cuda/README.md).
     """
     previous = kernel_options()
     changes = {}

@@ -187,41 +187,17 @@ def test_flash_attn_paged_cuda_fp8_row_scales(page_size, head_dim, q_dtype, cach
                                                     str(cache_dtype)))
 
 
-# The opt-in paths' kernel options (pagedkv.set_kernel_options), compiled and not yet run on a GPU
-OPT_INS = ("cuda_fp8_k_fragments", "cuda_prefill_rows32")
-
-
-def set_opt_ins(on):
-    """Every opt-in path off except those in `on` (the cuda_knobs fixture puts the options back)."""
-    pagedkv.set_kernel_options(**{name: name in on for name in OPT_INS})
-
-
-def attend_switched(options, rows, splits_windows, expect="same", **case):
-    """For each (splits, window) of splits_windows (splits 0: the plan's own count): attend on CUDA with
-    the opt-in paths `options` (a name or a tuple of names) on, against the reference, and with them off:
-    expect "same" requires the same output bit for bit, "different" a different output in at least one
-    case (a path that rounds otherwise must have run), None only the reference. Skips where the forced
-    loader does not fit the page size."""
-    options = (options,) if isinstance(options, str) else tuple(options)
-    differs = False
+def attend_splits_windows(rows, splits_windows, **case):
+    """Attend on CUDA against the reference for each (splits, window) of splits_windows (splits 0: the
+    plan's own count). Skips where the forced loader does not fit the page size."""
     for splits, window in splits_windows:
         pagedkv.set_kernel_options(cuda_splits=splits)
-        seed = (*options, splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
-        set_opt_ins(options)
+        seed = (splits, window, *(f"{k}={v}" for k, v in sorted(case.items())))
         try:
-            on = attend("cuda", rows, window_left=window, seed=seed, **case)
+            attend("cuda", rows, window_left=window, seed=seed, **case)
         except RuntimeError as e:  # this page size does not fit the TMA loader
             assert "does not fit" in str(e)
             pytest.skip("the forced loader does not fit this page size")
-        if expect is None:
-            continue
-        set_opt_ins(())
-        off = attend("cuda", rows, window_left=window, seed=seed, **case)
-        if expect == "same":
-            assert torch.equal(on, off), f"{options}: splits {splits}, window {window}"
-        differs = differs or not torch.equal(on, off)
-    if expect == "different":
-        assert differs, f"{options} gave the default's output bit for bit in every case: did its path run?"
 
 
 @CUDA_ONLY
@@ -230,19 +206,17 @@ def attend_switched(options, rows, splits_windows, expect="same", **case):
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("q_dtype", Q16_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
-def test_flash_attn_paged_cuda_fp8_k_fragments(loader, page_size, head_dim, q_dtype, cache_dtype):
-    """cuda_fp8_k_fragments=True (opt-in: in a decode key split each warp builds its K operands from the
-    raw FP8 tile, unscaled, and multiplies each key's scores by its scale; only V is converted): decode rows
-    with page tails, a window that hides the head of a tile, split-KV and one split, sharp softmaxes
-    (queries x 3), against the reference. Not bit for bit the default: K is rounded to 16 bits before its
-    scale there, not here, so it must differ from the default somewhere (else the path did not run)."""
+def test_flash_attn_paged_cuda_fp8_decode_k_fragments(loader, page_size, head_dim, q_dtype, cache_dtype):
+    """FP8 decode with one scale per row (a key split: each warp builds its K operands from the raw FP8
+    tile, unscaled, and multiplies each key's scores by its scale; only V is converted): decode rows with
+    page tails, a window that hides the head of a tile, split-KV and one split, sharp softmaxes (queries
+    x 3), against the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
-    attend_switched("cuda_fp8_k_fragments", [(1100, 1), (0, 1), (37, 1), (300, 1)],
-                    ((0, -1), (1, -1), (1, 23)), expect="different", page_size=page_size,
-                    head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype, q_heads=8, quant_group=head_dim,
-                    q_scale=3.0)
+    attend_splits_windows([(1100, 1), (0, 1), (37, 1), (300, 1)], ((0, -1), (1, -1), (1, 23)),
+                          page_size=page_size, head_dim=head_dim, cache_dtype=cache_dtype, q_dtype=q_dtype,
+                          q_heads=8, quant_group=head_dim, q_scale=3.0)
 
 
 @CUDA_ONLY
@@ -252,52 +226,32 @@ def test_flash_attn_paged_cuda_fp8_k_fragments(loader, page_size, head_dim, q_dt
                                              (128, torch.float16), (256, torch.bfloat16)],
                          ids=lambda x: dtype_name(x) if isinstance(x, torch.dtype) else str(x))
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_attn_paged_cuda_prefill_rows32(loader, page_size, head_dim, dtype, causal):
-    """cuda_prefill_rows32=True (opt-in: 128-row query tiles, two 16-row m-blocks per warp sharing each
-    K/V fragment, a tile's keys in two softmax steps) on prefill-like batches (>= 128 packed rows per batch row),
-    with a decode row and a short chunk among them (warp 0 alone, rows past the tile's end), page tails, one
-    split, split-KV and windows: against the reference, and not bit for bit the default (its softmax steps
-    round otherwise, so an equal output would mean the path did not run). Head size 256 keeps the 64-row
-    tiles (the option leaves it alone): the default's output bit for bit."""
+def test_flash_attn_paged_cuda_prefill_128_row_tiles(loader, page_size, head_dim, dtype, causal):
+    """Prefill-like batches (>= 128 packed rows per batch row) on 16-bit caches run 128-row query tiles
+    (two 16-row m-blocks per warp sharing each K/V fragment, a tile's keys in two softmax steps; head size
+    256 keeps the 64-row tiles), with a decode row and a short chunk among them (warp 0 alone, rows past
+    the tile's end), page tails, one split, split-KV and windows: against the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
     _C.set_cuda_loader(loader)
     rows = [(300, 70), (0, 200), (777, 1), (5, 130), (64, 3)]  # 404 x 4 packed rows >= 128 per batch row
-    attend_switched("cuda_prefill_rows32", rows, ((0, -1), (1, -1), (3, -1), (1, 23), (3, 100)),
-                    expect="same" if head_dim == 256 else "different", page_size=page_size, head_dim=head_dim,
-                    cache_dtype=dtype, q_dtype=dtype, q_heads=8, causal=causal)
+    attend_splits_windows(rows, ((0, -1), (1, -1), (3, -1), (1, 23), (3, 100)), page_size=page_size,
+                          head_dim=head_dim, cache_dtype=dtype, q_dtype=dtype, q_heads=8, causal=causal)
 
 
 @CUDA_ONLY
 @pytest.mark.parametrize("step", [1.0, 4.0, 100.0, 300.0])
-def test_flash_attn_paged_cuda_prefill_rows32_rising_scores(step):
-    """cuda_prefill_rows32=True keeps each row's running maximum until a half tile's maximum passes it by
-    more than 8 (log2 units) and rescales O only when a row of the warp moved it: scores rising by `step` per
-    64 keys (conftest.rising_scores, a 300-token chunk and a decode token over 300 cached keys: 128-row tiles)
-    move it by less than that (1, 4) or by far more (100, 300: every rescale factor below 2^-126), bf16
-    queries, against the float64 reference."""
-    set_opt_ins(("cuda_prefill_rows32",))
+def test_flash_attn_paged_cuda_prefill_128_row_tiles_rising_scores(step):
+    """128-row query tiles keep each row's running maximum until a half tile's maximum passes it by more
+    than 8 (log2 units) and rescale O only when a row of the warp moved it: scores rising by `step` per
+    64 keys (conftest.rising_scores, a 300-token chunk and a decode token over 300 cached keys) move it by
+    less than that (1, 4) or by far more (100, 300: every rescale factor below 2^-126), bf16 queries,
+    against the float64 reference."""
     args = rising_scores(torch.bfloat16, step, "cuda", new=(300, 1))
     out = pagedkv.flash_attn_paged(*args)
     cpu_args = [t.cpu() for t in args]
     expected = ref.flash_attn_paged(cpu_args[0].double(), *cpu_args[1:])
-    assert_attention_close(out, expected, torch.bfloat16, f"rows32, scores rising {step} per tile")
-
-
-@CUDA_ONLY
-@pytest.mark.parametrize("loader", LOADERS)
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-def test_flash_attn_paged_cuda_opt_in_paths_together(loader, page_size, head_dim, cache_dtype):
-    """Both opt-in paths on at once (the FP8 K fragments for decode rows, the 128-row tiles for a prefill-like
-    call of 16-bit caches), against the reference: decode and prefill rows, split-KV and one split, a window."""
-    if loader not in available_loaders():
-        pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    _C.set_cuda_loader(loader)
-    rows, case = [(1100, 1), (300, 70), (0, 1), (37, 1)], dict(page_size=page_size, head_dim=head_dim,
-                                                               cache_dtype=cache_dtype, q_heads=8)
-    attend_switched(OPT_INS, rows, ((0, -1), (1, -1), (3, 23)), expect=None, **case)
+    assert_attention_close(out, expected, torch.bfloat16, f"128-row tiles, scores rising {step} per tile")
 
 
 @CUDA_ONLY
@@ -305,17 +259,14 @@ def test_flash_attn_paged_cuda_opt_in_paths_together(loader, page_size, head_dim
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("splits", [0, 1])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
-@pytest.mark.parametrize("option", [None, *OPT_INS, "all"], ids=str)
-def test_flash_attn_paged_cuda_nan_before_every_window(loader, page_size, splits, cache_dtype, option):
+def test_flash_attn_paged_cuda_nan_before_every_window(loader, page_size, splits, cache_dtype):
     """Sliding window, with NaN keys, values and scales in every slot that no query of its row can see
     (a recycled page), whole pages and the head of a page: the kernels mask keys before a tile's first
     window key like keys past the end (zeroed, never scored), so no 0 * NaN reaches P V, and a TMA box
     that starts on such a key still loads the visible keys after it. Each loader, with and without
-    split-KV, the default paths and each opt-in path (K operands from the raw FP8 tile, 128-row query
-    tiles) and both at once; finite output equal to the reference."""
+    split-KV; finite output equal to the reference."""
     if loader not in available_loaders():
         pytest.skip(f"{LOADER_NAMES[loader]} is not available on this device")
-    set_opt_ins(OPT_INS if option == "all" else (option,) if option else ())
     pagedkv.set_kernel_options(cuda_splits=splits)
     _C.set_cuda_loader(loader)
     rows, window = [(300, 1), (100, 30), (1100, 1), (20, 2)], 23

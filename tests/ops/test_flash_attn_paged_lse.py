@@ -130,8 +130,12 @@ def test_merging_two_key_ranges_equals_attending_their_union(device, cache_dtype
         **common)
     assert_attention_close(out, expected, torch.float32, "merged", q16_on_cuda=True)
     assert_lse_close(lse, expected_lse, torch.float32, "merged lse", q16_on_cuda=True)
-    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    if device == "cpu":  # float32 throughout: the merge equals the whole call up to float32 rounding
+        torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    else:  # CUDA rounds queries and probabilities to 16 bits, in each part and in the whole differently
+        assert_attention_close(out, whole.double(), torch.float32, "merged vs whole", q16_on_cuda=True)
+        assert_lse_close(lse, whole_lse.double(), torch.float32, "merged vs whole lse", q16_on_cuda=True)
 
 
 
