@@ -22,6 +22,12 @@ cudaError_t encode_maps(pkv_loader loader, const pkv_cache_view &k, const pkv_ca
 // to 576), and its launch (one warp per query row and head; K tails, any D and Dv).
 int attn_portable_fits(const pkv_attn_args *a);
 cudaError_t launch_attn_portable(const pkv_attn_args *a, cudaStream_t stream);
+// The MLA kernel (flash_attn_mla.cuh, launched from flash_attn_paged.cu): whether it takes the call (D 576,
+// Dv 512, V the latent of K's rows, 16-byte aligned rows), and its launch with the plan's splits.
+int attn_mla_fits(const pkv_attn_args *a);
+constexpr int kMlaPlanRows = 16, kMlaPlanKeys = 32;  // its query heads per CTA and keys per tile
+cudaError_t launch_attn_mla(const pkv_attn_args *a, int num_splits, float *partial_out, float *partial_lse,
+                            cudaStream_t stream);
 // PTX version the device's binary holds for the loader's kernel, 0 when none (flash_attn_paged.cu).
 int loader_kernel_ptx_version(pkv_loader loader);
 

@@ -27,6 +27,7 @@
 // garbage or NaN in unused cache slots never reaches the output.
 #include <atomic>
 
+#include "flash_attn_mla.cuh"
 #include "flash_attn_paged_kernel.cuh"
 
 namespace pkv {
@@ -89,6 +90,118 @@ cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader,
 
 }  // namespace
 
+int attn_mla_fits(const pkv_attn_args *a) {
+  const pkv_tensor &q = a->q, &k = a->k_cache, &v = a->v_cache, &ks = a->k_scales, &vs = a->v_scales;
+  if ((q.dtype != PKV_DTYPE_BF16 && q.dtype != PKV_DTYPE_F16) || q.sizes[2] != kMlaD || v.sizes[3] != kMlaDv)
+    return 0;
+  const bool fp8 = pkv_dtype_is_fp8(k.dtype);
+  if (fp8 ? (k.sizes[3] != kMlaLatent || a->k_tail_dim != kMlaRope || !ks.defined)
+          : (k.dtype != q.dtype || k.sizes[3] != kMlaD || a->k_tail_dim != 0))
+    return 0;
+  // V must be the latent of K's rows (the kernel reads V from the K tile): same memory, same scales
+  if (v.data != k.data || v.dtype != k.dtype) return 0;
+  for (int i = 0; i < 3; i++)
+    if (v.sizes[i] != k.sizes[i] || v.strides[i] != k.strides[i]) return 0;
+  if (ks.defined != vs.defined || (ks.defined && ks.data != vs.data)) return 0;
+  if (ks.defined)
+    for (int i = 0; i < 4; i++)
+      if (vs.sizes[i] != ks.sizes[i] || vs.strides[i] != ks.strides[i]) return 0;
+  // 16-byte rows: Q and K (cp.async, vector loads), the rope's start
+  const pkv_rows_view qv = pkv_rows_view_from(&q);
+  const pkv_cache_view kv = pkv_cache_view_from(&k);
+  const int64_t es = fp8 ? 1 : 2;
+  return pkv_rows_aligned(&qv, 2, 16) && pkv_cache_aligned(&kv, es, 16) && a->k_tail_offset % 16 == 0 &&
+         k.strides[3] == 1;
+}
+
+namespace {
+template <typename T, bool kFp8, bool kE4m3>
+cudaError_t launch_mla_kernel(const MlaParams &p, dim3 grid, cudaStream_t stream) {
+  constexpr int kAlloc = MlaLayout<kFp8>::kBytes + 1024;  // + the 1024-byte alignment of smem_align_1024
+  auto kernel = attn_mla_kernel<T, kFp8, kE4m3>;
+  static std::atomic<uint64_t> configured{0};  // the shared-memory opt-in, once per device (launch_attn)
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlloc));
+    configured.fetch_or(bit);
+  }
+  kernel<<<grid, kMlaThreads, kAlloc, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_mla_for(const pkv_attn_args *a, const MlaParams &p, dim3 grid, cudaStream_t stream) {
+  switch (a->k_cache.dtype) {
+  case PKV_DTYPE_FP8_E4M3: return launch_mla_kernel<T, true, true>(p, grid, stream);
+  case PKV_DTYPE_FP8_E5M2: return launch_mla_kernel<T, true, false>(p, grid, stream);
+  default: return launch_mla_kernel<T, false, false>(p, grid, stream);
+  }
+}
+}  // namespace
+
+cudaError_t launch_attn_mla(const pkv_attn_args *a, int num_splits, float *partial_out, float *partial_lse,
+                            cudaStream_t stream) {
+  MlaParams p{};
+  p.q = pkv_rows_view_from(&a->q);
+  p.out = pkv_rows_view_from(&a->out);
+  p.k = pkv_kv_cache_from(&a->k_cache, &a->k_scales, a->quant_group, a->k_tail_dim, a->k_tail_offset);
+  p.offsets = pkv_index_view_from(&a->input_row_offsets);
+  p.lengths = pkv_index_view_from(&a->cache_lengths);
+  p.table = pkv_index_view_from(&a->lookup_table);
+  p.num_rows = a->q.sizes[0];
+  p.heads_per_kv = a->q.sizes[1] / a->k_cache.sizes[2];
+  p.head_blocks = (p.heads_per_kv + kMlaRows - 1) / kMlaRows;
+  p.window_left = a->window_left;
+  p.softcap_log2 = a->softcap > 0.0 ? static_cast<float>(a->softcap) * 1.4426950408889634f : 0.0f;
+  p.score_scale = a->softcap > 0.0 ? static_cast<float>(a->scale / a->softcap)
+                                   : static_cast<float>(a->scale) * 1.4426950408889634f;
+  p.causal = a->causal;
+  p.num_splits = num_splits;
+  p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);
+  p.partial_out = partial_out;
+  p.partial_lse = partial_lse;
+  if (a->sinks.defined) {
+    p.sinks = static_cast<const float *>(a->sinks.data);
+    p.sinks_stride = a->sinks.strides[0];
+  }
+  if (a->lse.defined) {
+    p.lse = static_cast<float *>(a->lse.data);
+    p.lse_stride_row = a->lse.strides[0];
+    p.lse_stride_head = a->lse.strides[1];
+  }
+  if (p.num_rows == 0) return cudaSuccess;
+  if (num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
+  const int64_t blocks_y = a->k_cache.sizes[2] * p.head_blocks;
+  if (p.num_rows > 0x7fffffff || blocks_y > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(p.num_rows), static_cast<unsigned>(blocks_y), static_cast<unsigned>(num_splits));
+  const bool bf16 = a->q.dtype == PKV_DTYPE_BF16;
+  PKV_CUDA_TRY(bf16 ? launch_mla_for<__nv_bfloat16>(a, p, grid, stream) : launch_mla_for<__half>(a, p, grid, stream));
+  if (num_splits == 1) return cudaSuccess;
+  // the splits' partials merged by flash_attn_paged's combine kernel, which reads these fields
+  AttnParams c{};
+  c.q = p.q;
+  c.out = p.out;
+  c.v = pkv_cache_view_from(&a->v_cache);  // head_dim: Dv
+  c.offsets = p.offsets;
+  c.num_rows = p.num_rows;
+  c.num_splits = num_splits;
+  c.partial_out = partial_out;
+  c.partial_lse = partial_lse;
+  c.sinks = p.sinks;
+  c.sinks_stride = p.sinks_stride;
+  c.lse = p.lse;
+  c.lse_stride_row = p.lse_stride_row;
+  c.lse_stride_head = p.lse_stride_head;
+  const unsigned blocks = static_cast<unsigned>((p.num_rows * a->q.sizes[1] + 3) / 4);
+  if (bf16)
+    attn_combine_kernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(c);
+  else
+    attn_combine_kernel<__half><<<blocks, 128, 0, stream>>>(c);
+  return cudaGetLastError();
+}
+
 // Kernels probed for "was this loader compiled for the device": the bf16,
 // D = 128 instantiation stands for all (same #if guards).
 int loader_kernel_ptx_version(pkv_loader loader) {
@@ -121,6 +234,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
                           float *partial_lse, cudaStream_t stream) {
   using namespace pkv;
   if (plan->portable) return launch_attn_portable(a, stream);
+  if (plan->mla) return launch_attn_mla(a, plan->num_splits, partial_out, partial_lse, stream);
   AttnParams p{};
   p.q = pkv_rows_view_from(&a->q);
   p.out = pkv_rows_view_from(&a->out);

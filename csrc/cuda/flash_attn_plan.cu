@@ -152,6 +152,34 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   if (major < 8)
     return pkv_fail(err, PKV_ERR_UNSUPPORTED, "%s: compute capability %d.x is not supported on CUDA (needs sm_80+)",
                     op, major);
+  const bool mla = portable && pkv::attn_mla_fits(a);
+  if (mla) {  // one latent head read once per tile for 16 query heads (cp.async tiles)
+    if (force_loader >= 0 && force_loader != PKV_LOADER_CP_ASYNC)
+      return pkv_fail(err, PKV_ERR_UNSUPPORTED,
+                      "%s: loader %s does not fit this call on CUDA (it runs on the MLA kernel, which loads with "
+                      "cp.async)",
+                      op, pkv_loader_name(static_cast<pkv_loader>(force_loader)));
+    const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], hk = a->k_cache.sizes[2];
+    const int64_t ctas = t * hk * ((hq / hk + pkv::kMlaPlanRows - 1) / pkv::kMlaPlanRows);
+    const int64_t max_key_tiles =
+        (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::kMlaPlanKeys - 1) / pkv::kMlaPlanKeys;
+    // splits while (token, head block) CTAs leave SMs without two CTAs each (two fit by shared memory)
+    int64_t splits = ctas > 0 && ctas < 2 * (int64_t)sms ? (2 * (int64_t)sms + ctas - 1) / ctas : 1;
+    const pkv_settings settings = pkv_settings_get();
+    if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
+    if (splits > max_key_tiles) splits = max_key_tiles;
+    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
+    if (splits < 1) splits = 1;
+    *plan = pkv_cuda_attn_plan{};
+    plan->device = device;
+    plan->num_sms = sms;
+    plan->loader = PKV_LOADER_CP_ASYNC;
+    plan->num_splits = static_cast<int>(splits);
+    plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
+    plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+    plan->mla = 1;
+    return PKV_OK;
+  }
   if (portable) {
     // (a forced loader is a test's request for tiles: the portable kernel loads none)
     if (force_loader >= 0)

@@ -59,7 +59,8 @@ typedef struct {
   int num_splits;            /* 1: no split-KV */
   int64_t partial_out_floats; /* [num_splits, T, Hq, Dv] */
   int64_t partial_lse_floats; /* [num_splits, T, Hq] */
-  int portable;               /* 1: the portable kernel (flash_attn_paged_portable.cu: MLA, K tails, other heads) */
+  int portable;               /* 1: the portable kernel (flash_attn_paged_portable.cu: K tails, other heads) */
+  int mla;                    /* 1: the MLA kernel (flash_attn_mla.cuh: D 576, Dv 512, V the latent of K) */
 } pkv_cuda_attn_plan;
 
 /* force_loader: -1 picks the best available; otherwise that loader or an error. */

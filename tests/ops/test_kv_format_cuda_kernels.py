@@ -1,6 +1,7 @@
-"""Packed MLA rows (kv_format) on each CUDA kernel that reads them: flash_attn_paged_sparse's tiled
-kernel (cp.async, and TMA gather4 with the rope as a second, byte-offset map where the GPU has it) and
-its portable kernel, and flash_attn_paged's portable kernel, each against the float64 reference.
+"""MLA caches on each CUDA kernel that reads them: flash_attn_paged's MLA kernel (bf16 K-only caches and
+packed rows), flash_attn_paged_sparse's tiled kernel (cp.async, and TMA gather4 with the rope as a
+second, byte-offset map where the GPU has it) and its portable kernel, and flash_attn_paged's portable
+kernel (e.g. FP8 K-only caches with scale groups), each against the float64 reference.
 CUDA only (skips here without a GPU); the CPU cases are tests/ops/test_kv_format.py's."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CUDA_ONLY, supported_or_skip
+from conftest import CUDA_ONLY, make_batch, supported_or_skip
 from op_helpers import *  # noqa: F403
 from test_kv_format import KEY_DIM, LATENT_DIM, producer_rows, tensor_scale
 
@@ -49,9 +50,9 @@ def test_sparse_kernels_read_packed_rows(kernel_options, kv_format, loader, spar
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("new, cached", [([1, 1, 1], [700, 64, 3]), ([40, 7], [100, 0])], ids=["decode", "prefill"])
 def test_dense_mla_k_only_cache(cache_dtype, new, cached):
-    """MLA's one latent head (D 576, Dv 512: V a view of K's first 512 channels) on the portable
-    kernel, decode and chunked prefill, a bf16 cache and an e4m3 one with scales per 64 channels,
-    window and sinks on, against the float64 reference."""
+    """MLA's one latent head (D 576, Dv 512: V a view of K's first 512 channels), decode and chunked
+    prefill, a bf16 cache (the MLA kernel) and an e4m3 one with scales per 64 channels (the portable
+    kernel), window and sinks on, against the float64 reference."""
     gen = generator(seed_from("cuda-mla", cache_dtype, new))
     page_size, heads = 64, 16
     pages = [-(-(c + n) // page_size) for c, n in zip(cached, new)]
@@ -105,3 +106,48 @@ def test_host_checks_read_the_per_tensor_scale_on_the_host(kernel_options, kv_fo
     assert_attention_close(sparse.cpu(), ref.flash_attn_paged_sparse(q, cache, None, indices, k_scales=scale,
                                                                      kv_format=kv_format),
                            torch.bfloat16, "sparse, checks on")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("splits", [0, 1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("heads", [16, 20, 128])
+@pytest.mark.parametrize("cache_kind", ["bfloat16", *FORMATS])
+def test_mla_kernel_long_rows_and_unseen_nan(kernel_options, cache_kind, heads, splits):
+    """flash_attn_paged's MLA kernel (16 query heads per CTA, 32-key tiles, V read from the K tile) on a
+    bf16 K-only cache and on packed rows: rows of 3000 and 1500 cached keys (many tiles per CTA), a causal
+    40-token chunk, a decode row with no history, a window, sinks and LSE, 16 / 20 (a partial head block)
+    / 128 heads, the plan's split count, one split and three. Every slot that no query row sees (unused
+    pages, the tails of rows' last pages, keys before the window) holds NaN bytes; finite output equal
+    to the reference."""
+    kernel_options(cuda_splits=splits)
+    gen = generator(seed_from("mla kernel", cache_kind, heads, splits))
+    page_size, window = 64, 1000
+    rows = [(3000, 1), (1500, 40), (0, 1), (33, 1)]
+    batch, num_pages = make_batch(gen, rows, page_size=page_size, padding=1)
+    packed = cache_kind != "bfloat16"
+    scale = tensor_scale(cache_kind) if packed else None
+    if packed:
+        cache = producer_rows(gen, cache_kind, (num_pages, page_size, 1), scale)
+    else:
+        cache = randn(gen, (num_pages, page_size, 1, KEY_DIM)).to(torch.bfloat16)
+    seen = torch.zeros((num_pages, page_size), dtype=torch.bool)
+    for b, (cached, new) in enumerate(rows):
+        keys = torch.arange(max(cached - window, 0), cached + new)
+        seen[batch.lookup_table[b, keys // page_size].long(), keys % page_size] = True
+    cache[~seen] = 255 if packed else float("nan")  # packed: NaN codes, scales and rope
+    q = randn(gen, (batch.num_tokens, heads, KEY_DIM), torch.bfloat16)
+    sinks = randn(gen, (heads,))
+    kwargs = dict(window_left=window, sinks=sinks)
+    if packed:
+        kwargs.update(k_scales=scale, kv_format=cache_kind)
+    args = (batch.input_row_offsets, cache, None if packed else cache[..., :LATENT_DIM], batch.cache_lengths,
+            batch.lookup_table)
+    expected, expected_lse = ref.flash_attn_paged_lse(q.double(), *args, **kwargs)
+    cuda_cache = cache.cuda()
+    cuda_args = (batch.input_row_offsets.cuda(), cuda_cache, None if packed else cuda_cache[..., :LATENT_DIM],
+                 batch.cache_lengths.cuda(), batch.lookup_table.cuda())
+    out, lse = pagedkv.flash_attn_paged_lse(q.cuda(), *cuda_args, **{
+        k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    what = f"MLA kernel, {cache_kind}, {heads} heads, splits {splits}"
+    assert_attention_close(out, expected, torch.bfloat16, what, q16_on_cuda=True)
+    assert_lse_close(lse, expected_lse, torch.bfloat16, what, q16_on_cuda=True)
