@@ -34,6 +34,7 @@ constexpr int kMlaStride = kMlaD * 2 + 16;        // bytes per 16-bit row of Q a
 constexpr int kMlaPStride = kMlaKeys * 2 + 16;    // P rows, likewise
 constexpr int kMlaRawStride = kMlaLatent + kMlaRope * 2;  // FP8 staging: latent codes, then the rope
 constexpr int kMlaThreadsPerKey = kMlaThreads / kMlaKeys;  // the loads: 4 threads per key row
+constexpr int kMlaScaleSlots = kMlaLatent / 8;            // FP8 scale groups per row, at most (groups of >= 8)
 static_assert(kMlaKeys * kMlaThreadsPerKey == kMlaThreads && kMlaKeys == 8 * kMlaWarps, "MLA tile shape");
 static_assert(kMlaDv == 128 * kMlaWarps, "each warp owns 128 output channels");
 
@@ -68,7 +69,8 @@ struct MlaLayout {
   static constexpr int kPOffset = kConvOffset + (kFp8 ? kTileBytes : 0);
   static constexpr int kRowsOffset = kPOffset + kMlaRows * kMlaPStride;
   static constexpr int kRedOffset = kRowsOffset + 2 * kMlaKeys * 8;
-  static constexpr int kBytes = kRedOffset + kMlaWarps * kMlaRows * 4;
+  static constexpr int kScaleOffset = kRedOffset + kMlaWarps * kMlaRows * 4;  // FP8: the tile's group scales
+  static constexpr int kBytes = kScaleOffset + (kFp8 ? kMlaKeys * kMlaScaleSlots * 4 : 0);
 };
 
 struct MlaKeyRow {  // a tile's key row: its page (-1: masked) and slot
@@ -119,10 +121,19 @@ __device__ __forceinline__ void mla_issue(const MlaParams &p, uint8_t *stage, Ml
 }
 
 // FP8 stage -> the 16-bit K tile: codes times their group's scale, the rope converted to q's type;
-// masked rows zeros (their scales are never read).
+// masked rows zeros (their scales are never read). The tile's group scales are read once into shared
+// memory first (a few loads per thread, in parallel), not once per 8 channels.
 template <typename T, bool kE4m3>
 __device__ __forceinline__ void mla_convert(const MlaParams &p, const uint8_t *raw, uint8_t *tile,
-                                            const MlaKeyRow *rows, int64_t kv_head) {
+                                            const MlaKeyRow *rows, float *sscale, int64_t kv_head) {
+  const int64_t group = p.k.group;
+  const int groups = static_cast<int>(group >= kMlaLatent ? 1 : (kMlaLatent + group - 1) / group);
+  for (int i = threadIdx.x; i < kMlaKeys * groups; i += kMlaThreads) {
+    const int r = i / groups, g = i - r * groups;
+    const MlaKeyRow kr = rows[r];
+    sscale[r * kMlaScaleSlots + g] = kr.page >= 0 ? pkv_kv_scale(&p.k, kr.page, kr.slot, kv_head, g * group) : 0.0f;
+  }
+  __syncthreads();
   constexpr int kUnits = kMlaD / 8;  // 8 channels per unit: 64 latent units, 8 rope units
   for (int u = threadIdx.x; u < kMlaKeys * kUnits; u += kMlaThreads) {
     const int r = u / kUnits, j = u - r * kUnits;
@@ -131,7 +142,7 @@ __device__ __forceinline__ void mla_convert(const MlaParams &p, const uint8_t *r
     if (kr.page >= 0) {
       if (j < kMlaLatent / 8) {
         const uint2 codes = *reinterpret_cast<const uint2 *>(raw + r * kMlaRawStride + j * 8);
-        const float s = pkv_kv_scale(&p.k, kr.page, kr.slot, kv_head, j * 8);
+        const float s = sscale[r * kMlaScaleSlots + static_cast<int>(j * 8 / group)];
         const uint16_t *pairs = reinterpret_cast<const uint16_t *>(&codes);
         uint32_t packed[4];
 #pragma unroll
@@ -217,7 +228,7 @@ __global__ void __launch_bounds__(kMlaThreads) attn_mla_kernel(const __grid_cons
     uint8_t *ktile = stage(it);
     if constexpr (kFp8) {
       ktile = smem + L::kConvOffset;
-      mla_convert<T, kE4m3>(p, stage(it), ktile, rows, kv_head);
+      mla_convert<T, kE4m3>(p, stage(it), ktile, rows, reinterpret_cast<float *>(smem + L::kScaleOffset), kv_head);
       __syncthreads();
     }
     const uint32_t k_base = smem_u32(ktile);

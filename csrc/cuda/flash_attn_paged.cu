@@ -98,6 +98,7 @@ int attn_mla_fits(const pkv_attn_args *a) {
   if (fp8 ? (k.sizes[3] != kMlaLatent || a->k_tail_dim != kMlaRope || !ks.defined)
           : (k.dtype != q.dtype || k.sizes[3] != kMlaD || a->k_tail_dim != 0))
     return 0;
+  if (fp8 && a->quant_group < kMlaLatent && a->quant_group % 8 != 0) return 0;  // a scale per 8 channels
   // V must be the latent of K's rows (the kernel reads V from the K tile): same memory, same scales
   if (v.data != k.data || v.dtype != k.dtype) return 0;
   for (int i = 0; i < 3; i++)

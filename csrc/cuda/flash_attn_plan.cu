@@ -163,8 +163,9 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
     const int64_t ctas = t * hk * ((hq / hk + pkv::kMlaPlanRows - 1) / pkv::kMlaPlanRows);
     const int64_t max_key_tiles =
         (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::kMlaPlanKeys - 1) / pkv::kMlaPlanKeys;
-    // splits while (token, head block) CTAs leave SMs without two CTAs each (two fit by shared memory)
-    int64_t splits = ctas > 0 && ctas < 2 * (int64_t)sms ? (2 * (int64_t)sms + ctas - 1) / ctas : 1;
+    // splits while (token, head block) CTAs leave SMs without two CTAs each (two fit by shared memory),
+    // rounded down: one wave of CTAs, not a second one nearly empty
+    int64_t splits = ctas > 0 && ctas < 2 * (int64_t)sms ? 2 * (int64_t)sms / ctas : 1;
     const pkv_settings settings = pkv_settings_get();
     if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
     if (splits > max_key_tiles) splits = max_key_tiles;
