@@ -157,6 +157,10 @@ def options_already_set(options):
 OTHER_PATHS = {}
 # opt-in paths of prefill-like calls, timed beside the default prefill
 PREFILL_PATHS = {}
+# opt-in paths of paged_store into FP8 caches, timed beside the default store
+FP8_STORE_PATHS = {
+    "fp8_rows": {"cuda_fp8_store_rows": True},
+}
 
 
 def bench_decode(timer, cfg, ceil):
@@ -301,6 +305,13 @@ def bench_store_load(timer, cfg, ceil):
     t_store = timer(lambda: ops.paged_store(key, val, pool["k"], pool["v"], offs, zero, pool["table"], pool["ks"],
                                             pool["vs"], 128))
     store_bytes = 2 * tokens * hk * d * (2 + es)
+    others = {}
+    for name, options in FP8_STORE_PATHS.items():
+        if es == 1 and not options_already_set(options):
+            with kernel_options(**options):
+                others[f"store_{name}_s"] = t = timer(lambda: ops.paged_store(
+                    key, val, pool["k"], pool["v"], offs, zero, pool["table"], pool["ks"], pool["vs"], 128))
+                others[f"store_{name}_bw_frac"] = store_bytes / t / ceil["copy_bytes_per_s"]
     out = torch.empty((tokens, hk, d), dtype=torch.bfloat16, device=DEV)
     lens = torch.tensor([tokens], dtype=torch.int32, device=DEV)
     t_load = timer(lambda: ops.paged_load(pool["k"], pool["ks"], pool["table"], lens, offs, out, 128))
@@ -309,7 +320,7 @@ def bench_store_load(timer, cfg, ceil):
         if es == 2 else None
     return {"op": "store/load", "T": tokens, "dtype": str(dtype), "store_s": t_store, "load_s": t_load,
             "store_bw_frac": store_bytes / t_store / ceil["copy_bytes_per_s"],
-            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch}
+            "load_bw_frac": load_bytes / t_load / ceil["copy_bytes_per_s"], "torch_index_select_s": t_torch, **others}
 
 
 SPARSE_LOADERS = {"cp.async": 0, "tma-gather4": 2}
@@ -543,7 +554,9 @@ def main():
         rows.append(r)
         write_results(args.out, meta, ceil, rows)
         print(f"S/L T={r['T']} {r['dtype']} store {fmt(r['store_s'])} ({100 * r['store_bw_frac']:.0f}% copy) "
-              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}",
+              f"load {fmt(r['load_s'])} ({100 * r['load_bw_frac']:.0f}% copy) torch {fmt(r['torch_index_select_s'])}"
+              + "".join(f" | store {n} {fmt(r['store_' + n + '_s'])} ({100 * r['store_' + n + '_bw_frac']:.0f}% copy)"
+                        for n in FP8_STORE_PATHS if r.get(f"store_{n}_s")),
               flush=True)
     for cfg in sp:
         r = bench_sparse(timer, cfg, ceil)

@@ -8,7 +8,7 @@ static int g_state;
 static pkv_settings g_settings;
 
 pkv_settings pkv_settings_from_env(void) {
-  pkv_settings s = {0, PKV_CPU_DECODE_AUTO, -1, 0, PKV_CUDA_SPARSE_AUTO, 0, 0};
+  pkv_settings s = {0, PKV_CPU_DECODE_AUTO, -1, 0, PKV_CUDA_SPARSE_AUTO, 0};
   const char *checks = getenv("PAGEDKV_CHECK");
   s.checks = checks != NULL && checks[0] != '\0' && checks[0] != '0';
   const char *splits = getenv("PAGEDKV_CUDA_SPLITS");
@@ -33,7 +33,7 @@ static void settings_ready(void) {
 }
 
 #define PKV_SETTINGS_FIELDS(X)                                                                                    \
-  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse)
+  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse) X(cuda_fp8_store_rows)
 
 pkv_settings pkv_settings_get(void) {
   settings_ready();
@@ -58,6 +58,8 @@ pkv_status pkv_settings_set(const pkv_settings *s, pkv_error *err) {
   if ((int)s->cuda_sparse < 0 || s->cuda_sparse >= PKV_CUDA_SPARSE_COUNT)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_sparse_kernel must be 0 (auto) or 1 (portable), got %d",
                     (int)s->cuda_sparse);
+  if (s->cuda_fp8_store_rows != 0 && s->cuda_fp8_store_rows != 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_fp8_store_rows must be 0 or 1, got %d", s->cuda_fp8_store_rows);
   settings_ready();
 #define PKV_STORE(f) __atomic_store_n(&g_settings.f, s->f, __ATOMIC_RELAXED);
   PKV_SETTINGS_FIELDS(PKV_STORE)

@@ -10,6 +10,7 @@
 // optional on CUDA): rows outside every [offsets[b], offsets[b+1]), negative
 // positions, positions past the lookup table and page ids outside [0, N) are
 // skipped, never written.
+#include "../core/pkv_settings.h"
 #include "common.cuh"
 
 namespace pkv {
@@ -191,6 +192,101 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_const
 #endif
 }
 
+// ---- opt-in (kernel option cuda_fp8_store_rows; compiled, not yet run on a GPU) ----
+// FP8 stores a warp per (job, token row) over all heads, as the 16-bit path, instead of a warp per
+// (job, row, head) with a quarter of its lanes busy at D 128: lane e of the row's (head, 8-element unit)
+// pairs loads its unit, the lanes of one scale group (w = G / 8 or D / 8 of them, a power of two <= 32,
+// lane-aligned) reduce its absolute maximum by shuffles, and each lane quantizes its 8 elements into one
+// 8-byte store, the group's first lane writing the scale. The same bytes as store_unit: the same
+// maximum, scale rule and clamped x / scale, converted by the hardware (sm_89+) with the rounding to
+// nearest even of pkv_f32_to_e4m3 / e5m2 (NaN keeps its sign and code 0x7f, as there).
+
+// Two clamped values -> two FP8 codes, lo in byte 0.
+template <pkv_dtype kDst>
+__device__ __forceinline__ uint32_t fp8_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t two;
+  if constexpr (kDst == PKV_DTYPE_FP8_E4M3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));  // a -> the upper byte
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));
+  uint32_t r = two;
+  if (lo != lo) r = (r & 0xff00u) | ((__float_as_uint(lo) >> 24) & 0x80u) | 0x7fu;
+  if (hi != hi) r = (r & 0x00ffu) | ((((__float_as_uint(hi) >> 24) & 0x80u) | 0x7fu) << 8);
+  return r;
+#else
+  if constexpr (kDst == PKV_DTYPE_FP8_E4M3) return pkv_f32_to_e4m3(lo) | (uint32_t(pkv_f32_to_e4m3(hi)) << 8);
+  return pkv_f32_to_e5m2(lo) | (uint32_t(pkv_f32_to_e5m2(hi)) << 8);
+#endif
+}
+
+template <pkv_dtype kSrc, pkv_dtype kDst>
+__global__ void __launch_bounds__(kStoreThreads) store_fp8_rows_kernel(const __grid_constant__ StoreParams p,
+                                                                       int group_lanes) {
+#if PKV_ARCH >= 800
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t heads = p.job[0].cache.num_heads, units = p.num_rows * p.num_jobs;
+  const float mx = pkv_fp8_max(kDst);
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
+       u += static_cast<int64_t>(gridDim.x) * (kStoreThreads / kWarp)) {
+    const StoreJob &job = p.job[u / p.num_rows];
+    const int64_t row = u % p.num_rows, d = job.cache.head_dim, per_head = d / 8;
+    int64_t page, slot;
+    if (!store_slot(p, job.cache, row, &page, &slot)) continue;  // warp-uniform
+    const bool fixed = job.fixed_scale != nullptr;
+    const float fixed_scale = fixed ? __ldg(job.fixed_scale) : 0.0f;
+    const int64_t g = fixed || p.quant_group >= d ? d : p.quant_group;  // channels per scale
+    for (int64_t e0 = 0; e0 < heads * per_head; e0 += kWarp) {
+      const int64_t e = e0 + lane;
+      const bool live = e < heads * per_head;
+      const int64_t head = live ? e / per_head : 0, c = live ? (e - head * per_head) * 8 : 0;
+      float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      if (live) load8<kSrc>(job.src.data, row * job.src.stride_row + head * job.src.stride_head + c, v);
+      float scale = fixed_scale;
+      if (!fixed) {  // every lane shuffles, live or not
+        uint32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
+        for (int o = group_lanes / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        scale = pkv_fp8_scale_for(__uint_as_float(m), kDst);
+        if (live && c % g == 0)
+          static_cast<float *>(job.scales.data)[pkv_cache_offset(&job.scales, page, slot, head) + c / g] = scale;
+      }
+      if (!live) continue;
+      uint32_t codes[2];
+#pragma unroll
+      for (int k = 0; k < 2; k++) {
+        float q[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {  // pkv_fp8_quantize's clamp of x / scale (NaN passes)
+          const float x = v[4 * k + i] / scale;
+          q[i] = x > mx ? mx : (x < -mx ? -mx : x);
+        }
+        codes[k] = fp8_pair<kDst>(q[0], q[1]) | (fp8_pair<kDst>(q[2], q[3]) << 16);
+      }
+      *reinterpret_cast<uint2 *>(static_cast<uint8_t *>(job.cache.data) +
+                                 pkv_cache_offset(&job.cache, page, slot, head) + c) = make_uint2(codes[0], codes[1]);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// The lanes of one scale group in store_fp8_rows_kernel, or 0 when a job does not fit it (the vector
+// path's alignment, D a multiple of 8, groups of a power of two <= 32 units that tile each head).
+int fp8_rows_group_lanes(const StoreJob &j, int64_t group) {
+  const int64_t d = j.cache.head_dim;
+  if (d % 8 != 0 || !pkv_rows_aligned(&j.src, static_cast<int64_t>(pkv_dtype_size(j.src.dtype)), 16) ||
+      !pkv_cache_aligned(&j.cache, 1, 8))
+    return 0;
+  if (j.fixed_scale) return 1;
+  const int64_t g = group >= d ? d : group;
+  if (g % 8 != 0 || d % g != 0) return 0;
+  const int64_t w = g / 8;
+  return w <= kWarp && (w & (w - 1)) == 0 ? static_cast<int>(w) : 0;
+}
+
 // 16-byte vector loads and stores for this job?
 bool job_vectorizable(const StoreJob &j, int64_t group) {
   const int64_t d = j.cache.head_dim;
@@ -206,6 +302,18 @@ bool job_vectorizable(const StoreJob &j, int64_t group) {
 template <pkv_dtype kSrc, pkv_dtype kDst>
 cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
+  if constexpr (kFp8) {
+    const int lanes = fp8_rows_group_lanes(p.job[0], p.quant_group);
+    if (pkv_settings_get().cuda_fp8_store_rows && lanes > 0 &&
+        (p.num_jobs < 2 || fp8_rows_group_lanes(p.job[1], p.quant_group) == lanes)) {
+      const int64_t units = p.num_rows * p.num_jobs, warps = kStoreThreads / kWarp;
+      int64_t blocks = (units + warps - 1) / warps;
+      blocks = blocks < 65535 * 8 ? blocks : 65535 * 8;  // grid-stride beyond that
+      if (blocks == 0) return cudaSuccess;
+      store_fp8_rows_kernel<kSrc, kDst><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p, lanes);
+      return cudaGetLastError();
+    }
+  }
   const int64_t units = p.num_rows * p.num_jobs * (vec && !kFp8 ? 1 : p.job[0].cache.num_heads);
   if (units == 0) return cudaSuccess;
   const int64_t warps = kStoreThreads / kWarp;

@@ -23,6 +23,7 @@ pybind11::dict kernel_settings() {
   d["cuda_loader"] = s.cuda_loader;
   d["cuda_splits"] = s.cuda_splits;
   d["cuda_sparse_kernel"] = static_cast<int>(s.cuda_sparse);
+  d["cuda_fp8_store_rows"] = s.cuda_fp8_store_rows;
   return d;
 }
 
@@ -38,6 +39,7 @@ void set_kernel_settings(const pybind11::dict &changes) {
     else if (name == "cuda_loader") s.cuda_loader = value;
     else if (name == "cuda_splits") s.cuda_splits = value;
     else if (name == "cuda_sparse_kernel") s.cuda_sparse = static_cast<pkv_cuda_sparse_kernel>(value);
+    else if (name == "cuda_fp8_store_rows") s.cuda_fp8_store_rows = value;
     else throw pybind11::value_error("pagedkv: no kernel setting named '" + name + "'");
   }
   pkv_error err{};

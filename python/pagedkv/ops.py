@@ -249,6 +249,7 @@ _KERNEL_OPTIONS = {
     "cuda_loader": ("auto", "cp.async", "tma-pages", "tma-gather4"),
     "cuda_splits": int,
     "cuda_sparse_kernel": ("auto", "portable"),
+    "cuda_fp8_store_rows": bool,
 }
 _FIRST_CODE = {"cuda_loader": -1}
 
@@ -276,6 +277,8 @@ def set_kernel_options(**options) -> dict:
     cuda_splits: 0 (the plan's rule) or n >= 1 split-KV CTAs forced on CUDA. Initial value from
         PAGEDKV_CUDA_SPLITS=n.
     cuda_sparse_kernel: "auto" or "portable" (flash_attn_paged_sparse's portable kernel always).
+    cuda_fp8_store_rows: opt-in, compiled and not yet run on a GPU: paged_store into FP8 caches with a
+        warp per token row over all heads and the hardware conversion (csrc/cuda/README.md).
     """
     previous = kernel_options()
     changes = {}

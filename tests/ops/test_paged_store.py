@@ -217,6 +217,73 @@ def test_paged_store_fp8_non_finite_matches_reference(device, cache_dtype, bad, 
 
 
 # ---------------------------------------------------------------------------------------------
+# opt-in: cuda_fp8_store_rows (a warp per token row over all heads, the hardware conversion;
+# compiled, not yet run on a GPU)
+
+FP8_ROWS_AXES = {
+    "key_dtype": FLOAT_DTYPES,
+    "cache_dtype": FP8_DTYPES,
+    "head_dim": (64, 80, 96, 128, 256, 576),
+    "quant_group": (8, 16, 32, 64, 128),
+    "num_kv_heads": (1, 2, 8),
+    "page_size": (1, 16),
+    "layout": LAYOUTS,
+    "noncontig": (False, True),
+    "k_only": (False, True),
+}
+FP8_ROWS_CASES = build_cases(
+    dict(STORE_BASE, cache_dtype=torch.float8_e4m3fn),
+    FP8_ROWS_AXES,
+    crosses=[("cache_dtype", "key_dtype", "head_dim"), ("head_dim", "quant_group", "num_kv_heads")],
+    samples=RANDOM_SAMPLES,
+    seed=3,
+)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("case", params(FP8_ROWS_CASES))
+def test_paged_store_cuda_fp8_rows(case):
+    """cuda_fp8_store_rows=True: FP8 bytes and scales equal to the reference, byte for byte, on a grid of
+    source dtypes, head sizes (those whose groups do not tile a warp, 80 and 96 with groups of 16 say, and
+    576 with one scale per head, keep the default path), groups of 8-128 channels and one per head, KV heads,
+    layouts and strides, K only; the store inputs hold a zero head, a zero group, a huge token and a tiny one
+    (subnormal codes), and the caches NaN before the store."""
+    pagedkv.set_kernel_options(cuda_fp8_store_rows=True)
+    run_store(case, "cuda")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("group", [32, 64])
+def test_paged_store_cuda_fp8_rows_non_finite(cache_dtype, bad, group):
+    """cuda_fp8_store_rows=True with a NaN (either sign) or inf in a group: the codes (NaN's sign kept) and
+    the scale equal the reference's and the default path's, for a group of one head and a group inside it."""
+    torch.manual_seed(2)
+    n_pages, page, heads, dim = 4, 2, 2, 64
+    key = torch.randn(3, heads, dim)
+    key[1, 0, 5] = bad
+    key[2, 1, :] *= 1e-6  # subnormal codes
+    key = key.cuda()
+    offsets = torch.tensor([0, 3], dtype=torch.int32).cuda()
+    lengths = torch.tensor([1], dtype=torch.int32).cuda()
+    table = torch.tensor([[2, 0]], dtype=torch.int32).cuda()
+    out = {}
+    for rows in (True, False):
+        pagedkv.set_kernel_options(cuda_fp8_store_rows=rows)
+        cache = torch.zeros(n_pages, page, heads, dim, dtype=cache_dtype).cuda()
+        scales = torch.zeros(n_pages, page, heads, dim // group).cuda()
+        pagedkv.paged_store(key, None, cache, None, offsets, lengths, table, scales, None, group)
+        out[rows] = (cache.view(torch.uint8).cpu(), scales.view(torch.int32).cpu())
+    cache = torch.zeros(n_pages, page, heads, dim, dtype=cache_dtype)
+    scales = torch.zeros(n_pages, page, heads, dim // group)
+    ref.paged_store(key.cpu(), None, cache, None, offsets.cpu(), lengths.cpu(), table.cpu(), scales, None, group)
+    for rows in (True, False):
+        assert torch.equal(out[rows][0], cache.view(torch.uint8)), f"codes, cuda_fp8_store_rows={rows}"
+        assert torch.equal(out[rows][1], scales.view(torch.int32)), f"scales, cuda_fp8_store_rows={rows}"
+
+
+# ---------------------------------------------------------------------------------------------
 # errors
 
 
