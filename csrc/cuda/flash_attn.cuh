@@ -10,6 +10,21 @@ constexpr int kAttnRowsM = 64;    // packed (query row, query head) rows per CTA
 constexpr int kAttnRowsM32 = 128;  // the same with 32 rows per warp (prefill on 16-bit caches, D <= 128)
 constexpr int kMaxSplits = 32;  // the combine kernel keeps one split per lane
 
+// The sinks and LSE output of an attention call into a kernel's parameters (AttnParams, MlaParams,
+// PortableParams: the same field names).
+template <typename Params>
+void set_sinks_and_lse(Params &p, const pkv_attn_args *a) {
+  if (a->sinks.defined) {
+    p.sinks = static_cast<const float *>(a->sinks.data);
+    p.sinks_stride = a->sinks.strides[0];
+  }
+  if (a->lse.defined) {
+    p.lse = static_cast<float *>(a->lse.data);
+    p.lse_stride_row = a->lse.strides[0];
+    p.lse_stride_head = a->lse.strides[1];
+  }
+}
+
 // Keys per K/V tile of the attention kernel for head size d.
 inline int64_t tile_keys_for(int64_t d) { return attn_tile_keys(static_cast<int>(d)); }
 

@@ -163,15 +163,7 @@ cudaError_t launch_attn_mla(const pkv_attn_args *a, int num_splits, float *parti
   p.out_aligned = pkv_rows_aligned(&p.out, 2, 4);
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
-  if (a->sinks.defined) {
-    p.sinks = static_cast<const float *>(a->sinks.data);
-    p.sinks_stride = a->sinks.strides[0];
-  }
-  if (a->lse.defined) {
-    p.lse = static_cast<float *>(a->lse.data);
-    p.lse_stride_row = a->lse.strides[0];
-    p.lse_stride_head = a->lse.strides[1];
-  }
+  set_sinks_and_lse(p, a);
   if (p.num_rows == 0) return cudaSuccess;
   if (num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
   const int64_t blocks_y = a->k_cache.sizes[2] * p.head_blocks;
@@ -268,15 +260,7 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   p.box_rows = tma_box_rows(p.k.page_size, tile_keys_for(p.k.head_dim));
   p.partial_out = partial_out;
   p.partial_lse = partial_lse;
-  if (a->sinks.defined) {
-    p.sinks = static_cast<const float *>(a->sinks.data);
-    p.sinks_stride = a->sinks.strides[0];
-  }
-  if (a->lse.defined) {
-    p.lse = static_cast<float *>(a->lse.data);
-    p.lse_stride_row = a->lse.strides[0];
-    p.lse_stride_head = a->lse.strides[1];
-  }
+  set_sinks_and_lse(p, a);
   if (p.num_rows == 0) return cudaSuccess;
   if (plan->num_splits > 1 && (partial_out == nullptr || partial_lse == nullptr)) return cudaErrorInvalidValue;
 

@@ -13,8 +13,7 @@
 // read once per query head): the first GPU run measures it (benchmarks/bench_gpu.py, rows MLA-dec).
 #include <cuda_runtime.h>
 
-#include "common.cuh"
-#include "pkv_cuda.h"
+#include "flash_attn.cuh"
 
 namespace pkv {
 namespace {
@@ -129,15 +128,7 @@ cudaError_t launch_attn_portable(const pkv_attn_args *a, cudaStream_t stream) {
   p.score_scale = a->softcap > 0.0 ? static_cast<float>(a->scale / a->softcap)
                                    : static_cast<float>(a->scale) * 1.4426950408889634f;
   p.causal = a->causal;
-  if (a->sinks.defined) {
-    p.sinks = static_cast<const float *>(a->sinks.data);
-    p.sinks_stride = a->sinks.strides[0];
-  }
-  if (a->lse.defined) {
-    p.lse = static_cast<float *>(a->lse.data);
-    p.lse_stride_row = a->lse.strides[0];
-    p.lse_stride_head = a->lse.strides[1];
-  }
+  set_sinks_and_lse(p, a);
   const int64_t items = p.q.num_rows * p.q.num_heads, per_block = kPortableThreads / kWarp;
   if (items == 0) return cudaSuccess;
   const int64_t blocks = (items + per_block - 1) / per_block;

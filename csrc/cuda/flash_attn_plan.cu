@@ -65,6 +65,27 @@ DeviceInfo device_info(int device) {
   return g_device_info[device];
 }
 
+// The plan of a tiled kernel (the dense one or the MLA one) from its split rule's count: the setting
+// cuda_splits = n (PAGEDKV_CUDA_SPLITS=n) forces n splits (1: none), for tests (the rule spreads keys so
+// thin that a CTA rarely runs more than two key tiles, which leaves the pipeline's buffer reuse and
+// barrier parity flips untested); then at most one split per key tile and kMaxSplits.
+void fill_split_plan(pkv_cuda_attn_plan *plan, int device, int sms, pkv_loader loader, int64_t splits,
+                     int64_t max_key_tiles, const pkv_attn_args *a) {
+  const pkv_settings settings = pkv_settings_get();
+  if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
+  if (splits > max_key_tiles) splits = max_key_tiles;
+  if (splits > kMaxSplits) splits = kMaxSplits;
+  if (splits < 1) splits = 1;
+  const int64_t t = a->q.sizes[0], hq = a->q.sizes[1], dv = a->v_cache.sizes[3];
+  *plan = pkv_cuda_attn_plan{};
+  plan->device = device;
+  plan->num_sms = sms;
+  plan->loader = loader;
+  plan->num_splits = static_cast<int>(splits);
+  plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
+  plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+}
+
 }  // namespace
 
 bool loader_fits(pkv_loader loader, const pkv_cache_view &k, const pkv_cache_view &v) {
@@ -165,19 +186,8 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
         (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::kMlaPlanKeys - 1) / pkv::kMlaPlanKeys;
     // splits while (token, head block) CTAs leave SMs without two CTAs each (two fit by shared memory),
     // rounded down: one wave of CTAs, not a second one nearly empty
-    int64_t splits = ctas > 0 && ctas < 2 * (int64_t)sms ? 2 * (int64_t)sms / ctas : 1;
-    const pkv_settings settings = pkv_settings_get();
-    if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
-    if (splits > max_key_tiles) splits = max_key_tiles;
-    if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
-    if (splits < 1) splits = 1;
-    *plan = pkv_cuda_attn_plan{};
-    plan->device = device;
-    plan->num_sms = sms;
-    plan->loader = PKV_LOADER_CP_ASYNC;
-    plan->num_splits = static_cast<int>(splits);
-    plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
-    plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
+    const int64_t splits = ctas > 0 && ctas < 2 * (int64_t)sms ? 2 * (int64_t)sms / ctas : 1;
+    pkv::fill_split_plan(plan, device, sms, PKV_LOADER_CP_ASYNC, splits, max_key_tiles, a);
     plan->mla = 1;
     return PKV_OK;
   }
@@ -228,21 +238,7 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
       (a->lookup_table.sizes[1] * a->k_cache.sizes[1] + pkv::tile_keys_for(d) - 1) / pkv::tile_keys_for(d);
   int64_t splits = 1;
   if (ctas < sms) splits = (2 * (int64_t)sms + ctas - 1) / ctas;
-  // The setting cuda_splits = n (PAGEDKV_CUDA_SPLITS=n) forces n splits (1: none), for tests: the rule
-  // above spreads keys so thin that a CTA rarely runs more than two key tiles, which leaves the
-  // pipeline's buffer reuse and barrier parity flips untested.
-  const pkv_settings settings = pkv_settings_get();
-  if (settings.cuda_splits >= 1) splits = settings.cuda_splits;
-  if (splits > max_key_tiles) splits = max_key_tiles;
-  if (splits > pkv::kMaxSplits) splits = pkv::kMaxSplits;
-  if (splits < 1) splits = 1;
-  plan->device = device;
-  plan->num_sms = sms;
-  plan->loader = loader;
-  plan->num_splits = static_cast<int>(splits);
-  plan->partial_out_floats = splits > 1 ? splits * t * hq * dv : 0;
-  plan->partial_lse_floats = splits > 1 ? splits * t * hq : 0;
-  plan->portable = 0;
+  pkv::fill_split_plan(plan, device, sms, loader, splits, max_key_tiles, a);
   return PKV_OK;
 }
 
