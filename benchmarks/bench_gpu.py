@@ -108,7 +108,7 @@ def make_pool(b, lens, hk, d, page, dtype, seed=0):
     v = torch.empty_like(k)
     ks = vs = None
     if fp8:
-        ks = torch.empty((n_pages, page, hk, 1), dtype=torch.float32, device=DEV)
+        ks = torch.empty((n_pages, page, hk, (d + 127) // 128), dtype=torch.float32, device=DEV)  # groups of 128
         vs = torch.empty_like(ks)
     total = sum(lens)
     key = torch.randn((total, hk, d), device=DEV, dtype=torch.bfloat16, generator=g)
@@ -183,7 +183,7 @@ def bench_decode(timer, cfg, ceil):
     t = timer(run)
     tg = timer.graph(run)
     es = 1 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 2
-    kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk if es == 1 else 0)
+    kv_bytes = 2 * sum(lens) * hk * d * es + (8 * sum(lens) * hk * ((d + 127) // 128) if es == 1 else 0)
     io = kv_bytes + 2 * q.numel() * 2
     res.update(pagedkv_s=t, pagedkv_graph_s=tg, bytes=io, bw_frac_of_copy=io / tg / ceil["copy_bytes_per_s"])
     # opt-in kernel paths, timed beside the default (their options are read per launch, so the graph
@@ -417,11 +417,18 @@ def bench_mla(timer, cfg, ceil):
 
 def grid_issue22():
     """Issue 22's shapes: decode B=32 L=8k Hq/Hk 32/8 D 128 (bf16 and FP8, page 16, with every peer;
-    bf16 at pages 1, 64, 256), prefill B=8 L=4k causal against SDPA's flash backend; and MLA decode
-    B=32 L=4k (Hq 16 and 128) over bf16 K-only and fp8_ds_mla caches."""
+    bf16 at pages 1, 64, 256), issue 45's GQA 1 and 8, head sizes 64 and 256 (bf16 and e4m3) and ragged
+    lengths, prefill B=8 L=4k causal against SDPA's flash backend; and MLA decode B=32 L=4k (Hq 16 and
+    128) over bf16 K-only and fp8_ds_mla caches."""
     main = dict(B=32, L=8192, Hq=32, Hk=8, D=128, P=16, id="I22-dec")
     dec = [dict(main, dtype=dt) for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)]
     dec += [dict(main, P=p, dtype=torch.bfloat16, id="I22-page", no_flex=True) for p in (1, 64, 256)]
+    # issue 45's other shapes: GQA 1 and 8, head sizes 64 and 256, one 32k row among 63 of 1k (page 16)
+    dec += [dict(main, Hk=hk, dtype=torch.bfloat16, id=f"I45-gqa{32 // hk}", no_flex=True) for hk in (32, 4)]
+    dec += [dict(main, D=d, dtype=dt, id=f"I45-d{d}", no_flex=True) for d in (64, 256)
+            for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    dec += [dict(main, B=64, L=32768, lens=[32768] + [1024] * 63, dtype=torch.bfloat16, id="I45-ragged",
+                 no_flex=True)]
     pre = [dict(B=8, L=4096, Hq=32, Hk=8, D=128, P=16, id="I22-pre")]
     sl = [dict(T=131072, dtype=dt, id="S/L") for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     mla = [dict(B=32, L=4096, Hq=hq, P=64, id="MLA-dec") for hq in (16, 128)]  # issue 47's MLA decode
