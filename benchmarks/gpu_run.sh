@@ -159,18 +159,21 @@ if want racecheck; then
   fi
 fi
 
+MEMCHECK_TESTS="tests/ops/test_kv_format_cuda_kernels.py tests/ops/test_kv_format.py
+  tests/ops/test_flash_attn_paged_kernel_paths.py tests/ops/test_paged_store.py tests/ops/test_paged_load.py
+  tests/ops/test_flash_attn_paged_sparse_kernel_paths.py tests/ops/test_merge_attn_states.py
+  tests/ops/test_flash_attn_paged_lse.py tests/ops/test_flash_attn_paged.py"
 if want memcheck; then
   # the packed-row (kv_format) and MLA kernels first (the newest), then the kernel-path tests: every
   # loader at >= 4 key tiles per CTA (the long cases), then the op grids; graphs excluded (the
   # sanitizer serialises launches)
   log "compute-sanitizer memcheck on CUDA cases (limit ${GPU_T_MEMCHECK:-120}s)"
   if command -v compute-sanitizer >/dev/null; then
+    # GPU_MEMCHECK_TESTS (pytest paths) replaces the list, e.g. "tests" for the whole suite's CUDA cases in
+    # a call of its own with GPU_T_MEMCHECK near the device tool's 10 minutes
+    # shellcheck disable=SC2086
     timeout "${GPU_T_MEMCHECK:-120}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      $PY -m pytest -v -p no:cacheprovider -k "cuda and not graph" \
-      tests/ops/test_kv_format_cuda_kernels.py tests/ops/test_kv_format.py \
-      tests/ops/test_flash_attn_paged_kernel_paths.py tests/ops/test_paged_store.py tests/ops/test_paged_load.py \
-      tests/ops/test_flash_attn_paged_sparse_kernel_paths.py tests/ops/test_merge_attn_states.py \
-      tests/ops/test_flash_attn_paged_lse.py tests/ops/test_flash_attn_paged.py >"$OUT/memcheck.txt" 2>&1
+      $PY -m pytest -v -p no:cacheprovider -k "cuda and not graph" ${GPU_MEMCHECK_TESTS:-$MEMCHECK_TESTS} >"$OUT/memcheck.txt" 2>&1
     log "memcheck exit code $? (124: stopped at its limit); $(grep -c 'Invalid' "$OUT/memcheck.txt") invalid accesses;" \
       "$(grep -c PASSED "$OUT/memcheck.txt") cases passed under it, $(grep -c FAILED "$OUT/memcheck.txt") failed"
     grep -m 10 -B2 -A8 "Invalid\|ERROR SUMMARY" "$OUT/memcheck.txt" | head -60
