@@ -4,7 +4,7 @@
  * variable: PAGEDKV_CHECK (host checks of CUDA index values) and PAGEDKV_CUDA_SPLITS (a forced
  * split-KV count). Every field can be changed at run time with pkv_settings_set (Python:
  * pagedkv.set_kernel_options); a value set before a call applies to that call. Kernels read the
- * settings once per call (the CPU driver per thread, the CUDA launcher and plans per launch), never
+ * settings once per call (the CPU driver in its plan, the CUDA launcher and plans per launch), never
  * per work item. PAGEDKV_CPU_ISA, the other cap, is read once by the CPU dispatcher (pkv_cpu_dispatch.c)
  * and has no setter: the kernel table is chosen once per process. */
 #ifndef PKV_SETTINGS_H

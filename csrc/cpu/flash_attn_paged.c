@@ -4,7 +4,9 @@
  * range). All query heads that share a KV head are one item, so every K/V
  * tile is read and converted once per item (decode reads the KV once). The
  * kernels themselves (tiles, QK^T, online softmax, PV) live in
- * pkv_cpu_kernels.inc, compiled per ISA and picked at run time (pkv_cpu.h).
+ * pkv_cpu_kernels.inc, compiled per ISA and picked at run time (pkv_cpu.h);
+ * the plan asks the table once per item which of its paths the item takes
+ * (attn_path) and stores the answer in the item.
  *
  * Two scheduling rules keep both cores busy:
  *  - split-KV: a plan with few items (decode at small B x Hk) splits long
@@ -47,7 +49,7 @@
  * unsplit, 3.6 ms in 2 splits, 4.5 ms in 8. */
 #define PKV_CPU_SPLIT_MIN_KEYS_MANY_QUERIES 4096
 /* Query vectors per KV head from which an item is prefill-like: the 16 rows
- * of an AMX tile (attn_item takes the tile path from there). */
+ * of an AMX tile (attn_path chooses the tile path from there). */
 #define PKV_CPU_MANY_QUERIES 16
 
 /* Fewest keys per split of an item (see above). */
@@ -58,6 +60,27 @@ static int64_t split_min_keys(const pkv_attn_item *it, int64_t heads) {
 static int64_t rows_per_item(int64_t heads) {
   int64_t r = PKV_CPU_QUERIES_PER_ITEM / heads;
   return r < 1 ? 1 : r;
+}
+
+/* Query vectors the attention scratch holds (pkv_cpu_attn_scratch.nq): an item's most, rounded up to the
+ * AMX path's whole 32-row tile pairs. */
+static int64_t scratch_queries(int64_t heads) { return (rows_per_item(heads) * heads + 31) / 32 * 32; }
+
+/* Each item's path (pkv_cpu_attn_path), chosen once here by the table's attn_path: the kernel runs the one
+ * function of that path. */
+static void choose_paths(const pkv_attn_args *a, pkv_attn_item *items, int64_t n, int64_t heads) {
+  const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
+  pkv_dtype kdt = a->k_cache.dtype;
+  int64_t dk = a->k_cache.sizes[3];
+  /* bf16 dot products are exact only when q and the (raw) keys are bf16 values: FP8 keys under the dot
+   * decode's rule for scale groups, the one dot_decode_ok applies (attn_path keeps grouped keys off the
+   * other bf16 paths) */
+  int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
+                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(dk, a->quant_group)));
+  const pkv_cpu_decode decode = pkv_settings_get().cpu_decode; /* once per call */
+  for (int64_t i = 0; i < n; i++)
+    items[i].path = k->attn_path(a, items[i].num_rows * heads, items[i].num_kv_heads, use_dot, decode,
+                                 scratch_queries(heads));
 }
 
 /* KV heads per item for a row with `rows` new tokens: rows short of a full
@@ -121,7 +144,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
   int64_t batch = offsets.rows - 1, hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk;
   int64_t rows_max = rows_per_item(heads), count = 0;
-  /* attn_item's amx_exact: bf16 queries over bf16 or FP8 caches */
+  /* attn_path's amx_exact: bf16 queries over bf16 or FP8 caches */
   int amx_tiles = pkv_cpu_kernels_get() == &pkv_cpu_kernels_amx && a->q.dtype == PKV_DTYPE_BF16 &&
                   (a->k_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->k_cache.dtype)) &&
                   (a->v_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->v_cache.dtype));
@@ -156,6 +179,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
         it->split_slot = -1;
       }
   }
+  choose_paths(a, items, n, heads); /* before the splits: they copy their item's path */
   if (n > 0 && n < PKV_CPU_SPLIT_TARGET_ITEMS) splits_wanted = (PKV_CPU_SPLIT_TARGET_ITEMS + n - 1) / n;
 
   /* ---- split-KV ---- */
@@ -272,10 +296,9 @@ void pkv_attn_plan_free(pkv_attn_plan *plan) {
   plan->num_items = 0;
 }
 
-/* One allocation per work range, carved into the scratch arrays (64-byte aligned). */
+/* One allocation per work range, carved into the scratch arrays (64-byte aligned); nq: scratch_queries. */
 static void *scratch_alloc(pkv_cpu_attn_scratch *w, int64_t nq, int64_t d, int64_t dv) {
   int64_t keys = PKV_CPU_KEYS_PER_TILE, dp = pkv_cpu_pad(d), d2p = pkv_cpu_pad((d + 1) / 2), dvp = pkv_cpu_pad(dv);
-  nq = (nq + 31) / 32 * 32; /* AMX pads query vectors to whole 32-row tile pairs */
   int64_t nqp = pkv_cpu_pad(nq);
   int64_t floats = nq * dp + nq * d2p + nq * pkv_cpu_pair_q_words(d) + dp * keys + keys * dp + keys * dvp + nq * keys + nq * dvp + 2 * nqp +
                    2 * nq * keys + dp + (nq * keys / 2 + keys / 2 * dvp) * PKV_CPU_PV_TILES + nq * d2p + d2p * (nq + 16) + nq * keys + PKV_CPU_MAX_LANES * nq;
@@ -385,27 +408,20 @@ static pkv_status run_items(const pkv_attn_args *a, const pkv_attn_plan *plan, i
                             atomic_llong *claims, pkv_error *err) {
   if (begin >= end) return PKV_OK;
   int64_t dk = a->k_cache.sizes[3], d = dk + a->k_tail_dim, dv = a->v_cache.sizes[3];
-  int64_t heads = a->q.sizes[1] / a->k_cache.sizes[2], nq = rows_per_item(heads) * heads, dvp = pkv_cpu_pad(dv);
+  int64_t heads = a->q.sizes[1] / a->k_cache.sizes[2], dvp = pkv_cpu_pad(dv);
   pkv_cpu_attn_scratch w;
-  void *mem = scratch_alloc(&w, nq, d, dv);
+  void *mem = scratch_alloc(&w, scratch_queries(heads), d, dv);
   if (!mem) return pkv_fail(err, PKV_ERR_ARGUMENT, "flash_attn_paged: out of host memory for attention scratch");
   const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
-  pkv_dtype kdt = a->k_cache.dtype;
-  /* bf16 dot products are exact only when q and the (raw) keys are bf16 values: FP8 keys under the dot
-   * decode's rule for scale groups, the one dot_decode_ok applies (attn_item drops use_dot for grouped
-   * keys on every other path) */
-  int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
-                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(dk, a->quant_group)));
-  const pkv_cpu_decode decode = pkv_settings_get().cpu_decode;
   split_state *st = (split_state *)plan->splits;
   pkv_item_queue queue = {plan->items, claims, begin, end, -1};
   for (int64_t i = queue_next(&queue); i < end; i = queue_next(&queue)) {
     const pkv_attn_item *it = &plan->items[i];
     if (it->split_group < 0) {
-      k->attn_item(a, it, &queue, use_dot, 1, decode, &w);
+      k->attn_item(a, it, &queue, 1, &w);
       continue;
     }
-    k->attn_item(a, it, &queue, use_dot, 0, decode, &w);
+    k->attn_item(a, it, &queue, 0, &w);
     int64_t rows = it->num_rows * heads * it->num_kv_heads;
     float *slot = st->partials + it->split_slot * st->slot_floats;
     memcpy(slot, w.m, (size_t)rows * sizeof(float));

@@ -25,9 +25,9 @@ extern "C" {
  * dividing KEYS_PER_TILE. Measured in benchmarks/README.md (issue 26). */
 #define PKV_CPU_DECODE_KEYS 32
 /* Row-pointer slots per work item: the tile in use and the tiles ahead that
- * are being prefetched (pkv_cpu_kernels.inc). */
+ * are being prefetched (tile_rows.inc, attn_common.inc's tile walk). */
 #define PKV_CPU_TILE_SLOTS 2
-/* Tiles per PV product on the AMX prefill path (attn_item.inc) */
+/* Tiles per PV product on the AMX prefill path (attn_amx.inc) */
 #define PKV_CPU_PV_TILES 2
 /* Widest vector in floats; scratch rows are padded to it so every ISA fits. */
 #define PKV_CPU_MAX_LANES 16
@@ -87,17 +87,33 @@ typedef struct {
 /* The next item, taken now and run next by run_items (NULL when none is left). */
 const pkv_attn_item *pkv_item_queue_take_ahead(pkv_item_queue *q);
 
+/* How an attention item runs (pkv_attn_item.path): chosen once per item by the plan, through the table's
+ * attn_path (kernels/attn_path.inc), from the table's ISA, the dtypes and shapes and the cpu_decode
+ * setting. kernels/attn_item.inc runs each path's function; docs/cpu_kernels.md describes them. */
+typedef enum {
+  PKV_CPU_PATH_PACKED_F32 = 0, /* packed tiles, float32 words and FMAs (every table) */
+  PKV_CPU_PATH_PACKED_BF16,    /* packed tiles, QK on bf16 pairs (AVX512-BF16), PV in float32 */
+  PKV_CPU_PATH_PACKED_DOT,     /* packed tiles, QK and PV on bf16 pairs (AVX512-BF16) */
+  PKV_CPU_PATH_DIRECT,         /* decode, rows widened in registers, float32 FMAs (AVX2, AVX-512) */
+  PKV_CPU_PATH_DOT,            /* decode, rows in place, bf16 dot products (AVX512-BF16) */
+  PKV_CPU_PATH_AMX,            /* AMX tiles, prefill (one KV head, >= 16 query vectors) */
+  PKV_CPU_PATH_AMX_DECODE,     /* AMX tiles, decode (S^T = K . Q^T) */
+} pkv_cpu_attn_path;
+
 typedef struct {
   const char *name;
-  /* Attention of one plan item over its keys. When write_out, normalises and
-   * writes the item's rows of a->out; otherwise leaves m, l, acc in w for the
-   * split-KV merge. use_dot_bf16: the item may use bf16 dot products (only
-   * passed when the CPU has them and q and K are exact in bf16). queue: the
-   * thread's items after this one (NULL: none); the kernel may take the next
-   * during this item's last tile, to prefetch its first (pkv_item_queue_take_ahead). decode: the
-   * decode paths it may take (pkv_settings.cpu_decode, read once per call by the driver). */
-  void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, pkv_item_queue *queue, int use_dot_bf16,
-                    int write_out, pkv_cpu_decode decode, pkv_cpu_attn_scratch *w);
+  /* The path of an item of nqh query vectors per KV head and nh KV heads (pkv_cpu_attn_path). use_dot_bf16:
+   * bf16 dot products are allowed (the CPU has them and q and K are exact in bf16); decode: the decode
+   * paths allowed (pkv_settings.cpu_decode); scratch_queries: the query vectors the scratch holds
+   * (pkv_cpu_attn_scratch.nq), which the dot decode's FP8 scale groups must fit. */
+  pkv_cpu_attn_path (*attn_path)(const pkv_attn_args *a, int64_t nqh, int64_t nh, int use_dot_bf16,
+                                 pkv_cpu_decode decode, int64_t scratch_queries);
+  /* Attention of one plan item over its keys, on its path (it->path, from this table's attn_path). When
+   * write_out, normalises and writes the item's rows of a->out; otherwise leaves m, l, acc in w for the
+   * split-KV merge. queue: the thread's items after this one (NULL: none); the kernel may take the next
+   * during this item's last tile, to prefetch its first (pkv_item_queue_take_ahead). */
+  void (*attn_item)(const pkv_attn_args *a, const pkv_attn_item *it, pkv_item_queue *queue, int write_out,
+                    pkv_cpu_attn_scratch *w);
   /* Convert n elements src (f32/f16/bf16) into dst of a cache dtype. For FP8,
    * per group of `group` elements: scale = amax / FP8_MAX (1 when amax == 0),
    * written to scales[g], and the quantized codes (bit-exact with

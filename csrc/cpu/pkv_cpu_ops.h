@@ -39,6 +39,7 @@ typedef struct {
   int64_t key_begin, key_end; /* keys [key_begin, key_end) of the row this item attends to */
   int64_t split_group;        /* -1, or the split-KV group whose partial results it merges into */
   int64_t split_slot;         /* its partial-result slot in that case */
+  int path;                   /* how the kernel runs it: a pkv_cpu_attn_path (pkv_cpu.h), chosen by the plan */
 } pkv_attn_item;
 
 typedef struct {
