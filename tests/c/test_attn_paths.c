@@ -29,7 +29,8 @@ enum { F32 = PKV_CPU_PATH_PACKED_F32, BF16 = PKV_CPU_PATH_PACKED_BF16, PDOT = PK
 
 static const path_case CASES[] = {
     /* decode of a GQA group of 4 (8 KV heads, D 128) */
-    {"bf16 decode", PKV_DTYPE_BF16, PKV_DTYPE_BF16, 4, 8, 1, 300, 128, 128, PKV_CPU_DECODE_AUTO, F32, DIRECT, DIRECT, DOT, AMXD},
+    {"bf16 decode", PKV_DTYPE_BF16, PKV_DTYPE_BF16, 4, 8, 1, 300, 128, 128, PKV_CPU_DECODE_AUTO, F32, DIRECT, DIRECT, DOT,
+     AMXD},
     {"bf16 decode, cpu_decode packed", PKV_DTYPE_BF16, PKV_DTYPE_BF16, 4, 8, 1, 300, 128, 128, PKV_CPU_DECODE_PACKED,
      F32, F32, F32, PDOT, AMXD},
     {"bf16 decode, cpu_decode fma", PKV_DTYPE_BF16, PKV_DTYPE_BF16, 4, 8, 1, 300, 128, 128, PKV_CPU_DECODE_FMA, F32,
@@ -74,7 +75,8 @@ static void check_case(const path_case *c) {
   size_t es = pkv_dtype_size(c->cache);
   void *kc = calloc((size_t)(N * P * Hk * D), es), *vc = calloc((size_t)(N * P * Hk * D), es);
   float *ks = calloc((size_t)(N * P * Hk * ng), sizeof(float)), *vs = calloc((size_t)(N * P * Hk * ng), sizeof(float));
-  void *q = calloc((size_t)(T * Hq * D), pkv_dtype_size(c->q)), *out = calloc((size_t)(T * Hq * D), pkv_dtype_size(c->q));
+  void *q = calloc((size_t)(T * Hq * D), pkv_dtype_size(c->q));
+  void *out = calloc((size_t)(T * Hq * D), pkv_dtype_size(c->q));
   int32_t *table = malloc((size_t)pages * sizeof(int32_t)), lens[1] = {(int32_t)c->cached}, offs[2] = {0, (int32_t)T};
   for (int64_t j = 0; j < pages; j++) table[j] = (int32_t)j;
   pkv_attn_args a;
