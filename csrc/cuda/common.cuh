@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "../core/pkv_numeric.h"
 #include "../core/pkv_view.h"
 #include "pkv_cuda.h"
@@ -27,6 +29,21 @@ constexpr int kWarp = 32;
     cudaError_t e_ = (expr);                                                                                      \
     if (e_ != cudaSuccess) return e_;                                                                             \
   } while (0)
+
+// The dynamic shared-memory opt-in of kernel kKernel, bytes_for(device) bytes, set once per device: the
+// first, eager call sets it, and a captured graph's launches then need nothing (one flag word per kernel).
+template <auto kKernel, typename BytesFor>
+cudaError_t shared_memory_opt_in(BytesFor bytes_for) {
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  PKV_CUDA_TRY(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    PKV_CUDA_TRY(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes_for(device)));
+    configured.fetch_or(bit);
+  }
+  return cudaSuccess;
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -25,38 +25,29 @@
 // ids outside [0, N) and keys past the lookup table are masked (never read),
 // the tail of a row's last page is zeroed in shared memory before PV, so
 // garbage or NaN in unused cache slots never reaches the output.
-#include <atomic>
-
 #include "flash_attn_mla.cuh"
 #include "flash_attn_paged_kernel.cuh"
 
 namespace pkv {
 namespace {
 
+// Merges the split-KV partials that p names (one warp per (row, query head)).
+template <typename T>
+cudaError_t launch_combine(const AttnParams &p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((p.num_rows * p.q.num_heads + 3) / 4);
+  if (blocks > 0) attn_combine_kernel<T><<<blocks, 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <int D, typename T, bool kFp8, int kLoader, int kBM>
 cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                         cudaStream_t stream) {
   using L = AttnLayout<D, kFp8, kBM>;
-  auto kernel = attn_kernel<D, T, kFp8, kLoader, kBM>;
-  // The shared-memory opt-in is per function and device: set once per device
-  // (the first, eager call; a captured graph's launches then need nothing).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  PKV_CUDA_TRY(cudaGetDevice(&device));
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAllocBytes));
-    configured.fetch_or(bit);
-  }
+  constexpr auto kernel = attn_kernel<D, T, kFp8, kLoader, kBM>;
+  PKV_CUDA_TRY(shared_memory_opt_in<kernel>([](int) { return L::kAllocBytes; }));
   kernel<<<grid, kAttnThreads, L::kAllocBytes, stream>>>(p, kmap, vmap);
   PKV_CUDA_TRY(cudaGetLastError());
-  if (p.num_splits > 1) {
-    const int64_t items = p.num_rows * p.q.num_heads;
-    const unsigned blocks = static_cast<unsigned>((items + 3) / 4);
-    if (blocks > 0) attn_combine_kernel<T><<<blocks, 128, 0, stream>>>(p);
-    PKV_CUDA_TRY(cudaGetLastError());
-  }
-  return cudaSuccess;
+  return p.num_splits > 1 ? launch_combine<T>(p, stream) : cudaSuccess;
 }
 
 template <int D, typename T, bool kFp8, int kBM>
@@ -119,15 +110,8 @@ namespace {
 template <typename T, bool kFp8, bool kE4m3>
 cudaError_t launch_mla_kernel(const MlaParams &p, dim3 grid, cudaStream_t stream) {
   constexpr int kAlloc = MlaLayout<kFp8>::kBytes + 1024;  // + the 1024-byte alignment of smem_align_1024
-  auto kernel = attn_mla_kernel<T, kFp8, kE4m3>;
-  static std::atomic<uint64_t> configured{0};  // the shared-memory opt-in, once per device (launch_attn)
-  int device = 0;
-  PKV_CUDA_TRY(cudaGetDevice(&device));
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlloc));
-    configured.fetch_or(bit);
-  }
+  constexpr auto kernel = attn_mla_kernel<T, kFp8, kE4m3>;
+  PKV_CUDA_TRY(shared_memory_opt_in<kernel>([](int) { return kAlloc; }));
   kernel<<<grid, kMlaThreads, kAlloc, stream>>>(p);
   return cudaGetLastError();
 }
@@ -182,17 +166,8 @@ cudaError_t launch_attn_mla(const pkv_attn_args *a, int num_splits, float *parti
   c.num_splits = num_splits;
   c.partial_out = partial_out;
   c.partial_lse = partial_lse;
-  c.sinks = p.sinks;
-  c.sinks_stride = p.sinks_stride;
-  c.lse = p.lse;
-  c.lse_stride_row = p.lse_stride_row;
-  c.lse_stride_head = p.lse_stride_head;
-  const unsigned blocks = static_cast<unsigned>((p.num_rows * a->q.sizes[1] + 3) / 4);
-  if (bf16)
-    attn_combine_kernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(c);
-  else
-    attn_combine_kernel<__half><<<blocks, 128, 0, stream>>>(c);
-  return cudaGetLastError();
+  set_sinks_and_lse(c, a);
+  return bf16 ? launch_combine<__nv_bfloat16>(c, stream) : launch_combine<__half>(c, stream);
 }
 
 // Kernels probed for "was this loader compiled for the device": the bf16,

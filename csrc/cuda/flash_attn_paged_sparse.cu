@@ -31,7 +31,6 @@
 // Bounds: index values are never trusted. Entries outside [0, N * P) are
 // masked before any address is formed from them; list entries past K are
 // never read.
-#include <atomic>
 #include <mutex>
 
 #include "flash_attn_sparse.cuh"
@@ -451,17 +450,9 @@ __global__ void __launch_bounds__(kThreads)
 template <int D, int DV, pkv_dtype kCache, int kLoader, int kTail>
 cudaError_t launch_tiled(const TiledParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                          cudaStream_t stream) {
-  auto kernel = sparse_tiled_kernel<D, DV, kCache, kLoader, kTail>;
-  // The opt-in covers every layout this kernel can need: set once per device (the first,
-  // eager call; a captured graph's launches then need nothing).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  PKV_CUDA_TRY(cudaGetDevice(&device));
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    PKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_smem_optin(device)));
-    configured.fetch_or(bit);
-  }
+  constexpr auto kernel = sparse_tiled_kernel<D, DV, kCache, kLoader, kTail>;
+  // the opt-in covers every layout this kernel can need: the device's whole opt-in
+  PKV_CUDA_TRY(shared_memory_opt_in<kernel>(device_smem_optin));
   kernel<<<grid, kThreads, p.smem.bytes + 1024, stream>>>(p, kmap, vmap);
   return cudaGetLastError();
 }

@@ -299,6 +299,12 @@ bool job_vectorizable(const StoreJob &j, int64_t group) {
   return d % 8 == 0;
 }
 
+// CTAs for `units` warps' units (grid-stride beyond 65535 * 8 CTAs).
+unsigned store_blocks(int64_t units) {
+  const int64_t warps = kStoreThreads / kWarp, blocks = (units + warps - 1) / warps;
+  return static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8);
+}
+
 template <pkv_dtype kSrc, pkv_dtype kDst>
 cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
@@ -306,23 +312,19 @@ cudaError_t launch_store(const StoreParams &p, bool vec, cudaStream_t stream) {
     const int lanes = fp8_rows_group_lanes(p.job[0], p.quant_group);
     if (pkv_settings_get().cuda_fp8_store_rows && lanes > 0 &&
         (p.num_jobs < 2 || fp8_rows_group_lanes(p.job[1], p.quant_group) == lanes)) {
-      const int64_t units = p.num_rows * p.num_jobs, warps = kStoreThreads / kWarp;
-      int64_t blocks = (units + warps - 1) / warps;
-      blocks = blocks < 65535 * 8 ? blocks : 65535 * 8;  // grid-stride beyond that
+      const unsigned blocks = store_blocks(p.num_rows * p.num_jobs);
       if (blocks == 0) return cudaSuccess;
-      store_fp8_rows_kernel<kSrc, kDst><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p, lanes);
+      store_fp8_rows_kernel<kSrc, kDst><<<blocks, kStoreThreads, 0, stream>>>(p, lanes);
       return cudaGetLastError();
     }
   }
   const int64_t units = p.num_rows * p.num_jobs * (vec && !kFp8 ? 1 : p.job[0].cache.num_heads);
   if (units == 0) return cudaSuccess;
-  const int64_t warps = kStoreThreads / kWarp;
-  int64_t blocks = (units + warps - 1) / warps;
-  blocks = blocks < 65535 * 8 ? blocks : 65535 * 8;  // grid-stride beyond that
+  const unsigned blocks = store_blocks(units);
   if (vec)
-    store_kernel<kSrc, kDst, true><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+    store_kernel<kSrc, kDst, true><<<blocks, kStoreThreads, 0, stream>>>(p);
   else
-    store_kernel<kSrc, kDst, false><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+    store_kernel<kSrc, kDst, false><<<blocks, kStoreThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
