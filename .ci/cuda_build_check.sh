@@ -260,6 +260,50 @@ sparse_sass 100a 2 gather4
 sparse_sass 90a 0 cp.async
 sparse_sass 80 0 cp.async
 
+# ---------------------------------------------------------------- the warpgroup-MMA kernels in SASS
+# flash_attn_paged.cu on sm_90a: every warpgroup kernel (attn_kernel<..., kWgmma = true>: mangled names
+# ending Lb1EEEv) holds HGMMA words and spills nothing, no other attention kernel holds any, and ptxas
+# reports no serialised warpgroup MMAs (its warning when accumulators are touched between issue and wait).
+say "checking the dense kernel's sm_90a SASS (HGMMA in the warpgroup kernels, no spills, no serialisation)"
+wg_cubin="$WORK/flash_attn_paged_sm_90a.cubin"
+if nvcc "${NVCC_FLAGS[@]}" -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -cubin \
+  "$ROOT/csrc/cuda/flash_attn_paged.cu" -o "$wg_cubin" >"$WORK/flash_attn_paged_90a_ptxas.log" 2>&1; then
+  grep -i "wgmma" "$WORK/flash_attn_paged_90a_ptxas.log" | grep -i "warn" | head -3
+  grep -i "wgmma" "$WORK/flash_attn_paged_90a_ptxas.log" | grep -qi "warn" && fail "ptxas warns about warpgroup MMAs"
+  wg_spills=$(python3 - "$WORK/flash_attn_paged_90a_ptxas.log" <<'PY'
+import re, sys
+entry, bad = None, 0
+for line in open(sys.argv[1]):
+    m = re.search(r"Compiling entry function '(\S+)'", line)
+    if m:
+        entry = m.group(1)
+    elif entry and "attn_kernel" in entry and "Lb1EEEv" in entry and "spill" in line:
+        bad += not re.search(r"0 bytes spill stores, 0 bytes spill loads", line)
+print(bad)
+PY
+)
+  wg_lines=$(python3 "$ROOT/.ci/sass_tma_count.py" "$wg_cubin" attn_kernel | grep -v TOTAL)
+  wg_n=$(echo "$wg_lines" | grep -c "Lb1EEEv" || true)
+  wg_bad=$(echo "$wg_lines" | grep "Lb1EEEv" | awk '$4 == 0' | grep -c . || true)
+  other_bad=$(echo "$wg_lines" | grep -v "Lb1EEEv" | awk '$4 != 0' | grep -c . || true)
+  say "sm_90a: $wg_n warpgroup kernels, HGMMA per kernel: $(echo "$wg_lines" | grep "Lb1EEEv" | awk '{print $4}' |
+    sort -n | uniq -c | awk '{print $2 " x" $1}' | tr '\n' ' '); $wg_bad without; $other_bad other kernels with;" \
+    "$wg_spills spilling"
+  if [ "${wg_n:-0}" -eq 0 ] || [ "${wg_bad:-1}" != 0 ] || [ "${other_bad:-1}" != 0 ] || [ "${wg_spills:-1}" != 0 ]; then
+    fail "warpgroup kernels on sm_90a"
+  fi
+else
+  fail "cubin of flash_attn_paged.cu for sm_90a"
+  tail -20 "$WORK/flash_attn_paged_90a_ptxas.log"
+fi
+# the device programs (tests/cuda_device, run by benchmarks/gpu_run.sh on a GPU) compile for sm_90a
+for t in "$ROOT"/tests/cuda_device/test_*.cu; do
+  nvcc "${NVCC_FLAGS[@]}" -gencode=arch=compute_90a,code=sm_90a -I"$ROOT/csrc/cuda" "$t" \
+    -o "$WORK/$(basename "$t" .cu)" >"$WORK/$(basename "$t" .cu).log" 2>&1 &&
+    say "$(basename "$t"): compiled for sm_90a (runs on a GPU: benchmarks/gpu_run.sh test)" ||
+    fail "$(basename "$t") does not compile (see $WORK/$(basename "$t" .cu).log)"
+done
+
 say "total $(($(date +%s) - START)) s"
 if [ "$FAILED" = 0 ]; then
   say "PASS"

@@ -156,7 +156,9 @@ def options_already_set(options):
 # options; none at present (FP8 K fragments and 128-row prefill tiles became the defaults, 2026-11-28)
 OTHER_PATHS = {}
 # opt-in paths of prefill-like calls, timed beside the default prefill
-PREFILL_PATHS = {}
+PREFILL_PATHS = {
+    "wgmma": {"cuda_prefill_wgmma": True},
+}
 # opt-in paths of paged_store into FP8 caches, timed beside the default store
 FP8_STORE_PATHS = {
     "fp8_rows": {"cuda_fp8_store_rows": True},
@@ -269,8 +271,9 @@ def bench_prefill(timer, cfg, ceil):
                 res[f"{name}_s"] = timer(run)
     kc, vc = contiguous_kv(pool, b, hk, d)
     q4 = q.view(b, L, hq, d).transpose(1, 2)
-    if prefix == 0:
+    if prefix == 0:  # (SDPA's is_causal aligns a chunk's rows to the first keys, not to its prefix)
         res["sdpa_contiguous_s"], res["sdpa_backend"] = sdpa_flash_causal(timer, q4, kc, vc)
+        res["sdpa_cudnn_s"], res["sdpa_cudnn_note"] = sdpa_cudnn_causal(timer, q4, kc, vc)
     del pool, kc, vc
     torch.cuda.empty_cache()
     return res
@@ -292,6 +295,25 @@ def sdpa_flash_causal(timer, q4, kc, vc):
         rep = q4.shape[1] // kc.shape[1]
         kr, vr = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
         return timer(lambda: run(kr, vr, False)), "flash (K/V repeated per query head)"
+
+
+def sdpa_cudnn_causal(timer, q4, kc, vc):
+    """Causal SDPA through the cuDNN backend on contiguous K/V repeated per query head (best effort: the
+    backend exists from torch 2.5 and refuses some shapes)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        rep = q4.shape[1] // kc.shape[1]
+        kr, vr = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+
+        def run():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q4, kr, vr, is_causal=True)
+
+        run()
+        return timer(run), "cudnn (K/V repeated per query head)"
+    except (RuntimeError, AttributeError, ImportError) as e:  # a peer that does not run is recorded, not fatal
+        return None, f"unavailable: {type(e).__name__}: {str(e)[:120]}"
 
 
 def bench_store_load(timer, cfg, ceil):
@@ -430,6 +452,10 @@ def grid_issue22():
     dec += [dict(main, B=64, L=32768, lens=[32768] + [1024] * 63, dtype=torch.bfloat16, id="I45-ragged",
                  no_flex=True)]
     pre = [dict(B=8, L=4096, Hq=32, Hk=8, D=128, P=16, id="I22-pre")]
+    # issue 46: pages 1 and 64 beside 16, head size 64, chunked prefill (512 new tokens onto 8192 cached)
+    pre += [dict(B=8, L=4096, Hq=32, Hk=8, D=128, P=p, id="I46-page") for p in (1, 64)]
+    pre += [dict(B=8, L=4096, Hq=32, Hk=8, D=64, P=16, id="I46-d64"),
+            dict(B=8, L=512, Hq=32, Hk=8, D=128, P=16, prefix=8192, id="I46-chunk")]
     sl = [dict(T=131072, dtype=dt, id="S/L") for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     mla = [dict(B=32, L=4096, Hq=hq, P=64, id="MLA-dec") for hq in (16, 128)]  # issue 47's MLA decode
     return dec, pre, sl, [], mla
@@ -503,7 +529,8 @@ def write_results(out, meta, ceil, rows):
                         f"| {fmt(r['pagedkv_s'], 1e3, 'ms')}"
                         + "".join(f" ({n} {fmt(r[n + '_s'], 1e3, 'ms')})" for n in PREFILL_PATHS if r.get(n + "_s"))
                         + f" | - | {r['tflops']:.0f} TFLOP/s | "
-                        f"{fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')} | - | - |\n")
+                        f"{fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')} (cuDNN {fmt(r.get('sdpa_cudnn_s'), 1e3, 'ms')}) "
+                        f"| - | - |\n")
             elif r["op"] == "mla":
                 cells = [f"{n} {fmt(r.get(n + '_graph_s'))} ({100 * r[n + '_bw_frac_of_copy']:.0f}%)"
                          if n + "_graph_s" in r else f"{n}: refused" for n in ("bf16", "fp8_ds_mla")]
@@ -554,6 +581,7 @@ def main():
         write_results(args.out, meta, ceil, rows)
         print(f"{r['id']:8s} prefill B={r['B']} L={r['L']} Hk={r['Hk']} prefix={r.get('prefix', 0)} "
               f"{fmt(r['pagedkv_s'], 1e3, 'ms')} {r['tflops']:.0f} TFLOP/s | sdpa {fmt(r.get('sdpa_contiguous_s'), 1e3, 'ms')}"
+              f" cudnn {fmt(r.get('sdpa_cudnn_s'), 1e3, 'ms')}"
               + "".join(f" | {n} {fmt(r[n + '_s'], 1e3, 'ms')}" for n in PREFILL_PATHS if r.get(n + "_s")),
               flush=True)
     for cfg in sl:

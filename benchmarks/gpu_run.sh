@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build pagedkv for CUDA, run the whole test suite on CUDA,
+# One call on a GPU machine: build pagedkv for CUDA, run the device programs (tests/cuda_device) and the
+# whole test suite on CUDA,
 # compute-sanitizer memcheck on the CUDA tests, SASS evidence of the TMA and cp.async loads
 # (dense and sparse kernels), and the decode/prefill/store/load/sparse benchmark grid. Everything lands in $OUT (default
 # benchmarks/results/gpu-<date>; at most 8 files, the device tool's limit) and the benchmark
@@ -116,6 +117,18 @@ if want build; then
 fi
 
 if want test; then
+  # device programs first (seconds each): tests/cuda_device/test_*.cu, built for the device's arch against
+  # csrc/cuda's headers (e.g. the warpgroup MMAs on the attention kernel's tiles, with a diagnosis on failure)
+  for t in tests/cuda_device/test_*.cu; do
+    exe="/tmp/$(basename "$t" .cu)"
+    arch=$(device_arch)
+    if nvcc -std=c++17 -O3 -gencode="arch=compute_$arch,code=sm_$arch" -Icsrc/cuda "$t" -o "$exe" >>"$OUT/gpu_run.log" 2>&1; then
+      "$exe" 2>&1 | tee -a "$OUT/gpu_run.log"
+      log "$(basename "$t"): exit code ${PIPESTATUS[0]}"
+    else
+      log "$(basename "$t"): does not compile (gpu_run.log)"
+    fi
+  done
   # the whole suite (vLLM's own tests need vLLM's venv: scripts/test_vllm.sh); xdist workers when the
   # machine has pytest-xdist (each with 2 CPU threads), a per-test limit when it has pytest-timeout
   # (a hung kernel then fails its test instead of the stage)

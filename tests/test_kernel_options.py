@@ -24,14 +24,14 @@ from pagedkv import reference as ref
 pytestmark = pytest.mark.usefixtures("cuda_knobs")
 
 DEFAULTS = {"checks": False, "cpu_decode": "auto", "cuda_loader": "auto", "cuda_splits": 0,
-            "cuda_sparse_kernel": "auto", "cuda_fp8_store_rows": False}
+            "cuda_sparse_kernel": "auto", "cuda_fp8_store_rows": False, "cuda_prefill_wgmma": False}
 
 
 def test_kernel_options_set_returns_previous_and_restores():
     before = pagedkv.kernel_options()
     assert set(before) == set(DEFAULTS)
     changed = {"checks": True, "cpu_decode": "packed", "cuda_loader": "cp.async", "cuda_splits": 5,
-               "cuda_sparse_kernel": "portable", "cuda_fp8_store_rows": True}
+               "cuda_sparse_kernel": "portable", "cuda_fp8_store_rows": True, "cuda_prefill_wgmma": True}
     previous = pagedkv.set_kernel_options(**changed)
     assert previous == before
     assert pagedkv.kernel_options() == changed
@@ -61,6 +61,7 @@ def test_set_checks_and_cuda_loader_share_the_settings():
     ({"checks": 1}, "checks must be True or False"),
     ({"cuda_sparse_kernel": "fast"}, "cuda_sparse_kernel must be one of"),
     ({"cuda_fp8_store_rows": 1}, "cuda_fp8_store_rows must be True or False"),
+    ({"cuda_prefill_wgmma": "on"}, "cuda_prefill_wgmma must be True or False"),
     ({"key_split": False}, "no kernel option named 'key_split'"),
 ])
 def test_set_kernel_options_refuses_and_changes_nothing(bad, match):

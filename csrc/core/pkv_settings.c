@@ -33,7 +33,7 @@ static void settings_ready(void) {
 }
 
 #define PKV_SETTINGS_FIELDS(X)                                                                                    \
-  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse) X(cuda_fp8_store_rows)
+  X(checks) X(cpu_decode) X(cuda_loader) X(cuda_splits) X(cuda_sparse) X(cuda_fp8_store_rows) X(cuda_prefill_wgmma)
 
 pkv_settings pkv_settings_get(void) {
   settings_ready();
@@ -60,6 +60,8 @@ pkv_status pkv_settings_set(const pkv_settings *s, pkv_error *err) {
                     (int)s->cuda_sparse);
   if (s->cuda_fp8_store_rows != 0 && s->cuda_fp8_store_rows != 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_fp8_store_rows must be 0 or 1, got %d", s->cuda_fp8_store_rows);
+  if (s->cuda_prefill_wgmma != 0 && s->cuda_prefill_wgmma != 1)
+    return pkv_fail(err, PKV_ERR_ARGUMENT, "cuda_prefill_wgmma must be 0 or 1, got %d", s->cuda_prefill_wgmma);
   settings_ready();
 #define PKV_STORE(f) __atomic_store_n(&g_settings.f, s->f, __ATOMIC_RELAXED);
   PKV_SETTINGS_FIELDS(PKV_STORE)

@@ -25,6 +25,14 @@ void set_sinks_and_lse(Params &p, const pkv_attn_args *a) {
   }
 }
 
+// Prefill-like calls: >= 128 packed (query row, query head) rows per batch row on average (decode rows
+// have a few); they take the 128-row query tiles, or the warpgroup kernels where those are chosen.
+inline bool prefill_like(int64_t rows, int64_t heads_per_kv, int64_t batch) {
+  return rows * heads_per_kv >= kAttnRowsM32 * batch;
+}
+// 1 when the code the current device runs has the warpgroup-MMA kernels (sm_90a), else 0 (flash_attn_paged.cu).
+int wgmma_kernels_compiled();
+
 // Keys per K/V tile of the attention kernel for head size d.
 inline int64_t tile_keys_for(int64_t d) { return attn_tile_keys(static_cast<int>(d)); }
 

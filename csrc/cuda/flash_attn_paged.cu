@@ -39,11 +39,11 @@ cudaError_t launch_combine(const AttnParams &p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int D, typename T, bool kFp8, int kLoader, int kBM>
+template <int D, typename T, bool kFp8, int kLoader, int kBM, bool kWgmma = false>
 cudaError_t launch_attn(const AttnParams &p, const CUtensorMap &kmap, const CUtensorMap &vmap, dim3 grid,
                         cudaStream_t stream) {
   using L = AttnLayout<D, kFp8, kBM>;
-  constexpr auto kernel = attn_kernel<D, T, kFp8, kLoader, kBM>;
+  constexpr auto kernel = attn_kernel<D, T, kFp8, kLoader, kBM, kWgmma>;
   PKV_CUDA_TRY(shared_memory_opt_in<kernel>([](int) { return L::kAllocBytes; }));
   kernel<<<grid, kAttnThreads, L::kAllocBytes, stream>>>(p, kmap, vmap);
   PKV_CUDA_TRY(cudaGetLastError());
@@ -79,7 +79,39 @@ cudaError_t dispatch_head_dim(const AttnParams &p, int64_t d, pkv_loader loader,
   }
 }
 
+// The warpgroup-MMA kernels (plan->wgmma: sm_90a, prefill-like calls, D 64 or 128; the plan picks only
+// the cp.async or tma-pages loader for them, the loaders of a cc 9.x device).
+template <int D, typename T, bool kFp8>
+cudaError_t launch_wgmma(const AttnParams &p, pkv_loader loader, const CUtensorMap &kmap, const CUtensorMap &vmap,
+                         dim3 grid, cudaStream_t stream) {
+  if (loader == PKV_LOADER_TMA_PAGES)
+    return launch_attn<D, T, kFp8, PKV_LOADER_TMA_PAGES, kAttnRowsM, true>(p, kmap, vmap, grid, stream);
+  if (loader == PKV_LOADER_CP_ASYNC)
+    return launch_attn<D, T, kFp8, PKV_LOADER_CP_ASYNC, kAttnRowsM, true>(p, kmap, vmap, grid, stream);
+  return cudaErrorInvalidValue;
+}
+template <typename T, bool kFp8>
+cudaError_t dispatch_wgmma(const AttnParams &p, int64_t d, pkv_loader loader, const CUtensorMap &kmap,
+                           const CUtensorMap &vmap, dim3 grid, cudaStream_t stream) {
+  if (d == 64) return launch_wgmma<64, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  if (d == 128) return launch_wgmma<128, T, kFp8>(p, loader, kmap, vmap, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+// 1 in the code built for a target with wgmma (sm_90a), else 0: the plan reads the copy of the module the
+// device runs (wgmma_kernels_compiled), since the kernels of other targets are trapping stubs.
+__device__ int g_wgmma_compiled = PKV_WGMMA;
+
 }  // namespace
+
+int wgmma_kernels_compiled() {
+  int compiled = 0;
+  if (cudaMemcpyFromSymbol(&compiled, g_wgmma_compiled, sizeof(compiled)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return compiled;
+}
 
 int attn_mla_fits(const pkv_attn_args *a) {
   const pkv_tensor &q = a->q, &k = a->k_cache, &v = a->v_cache, &ks = a->k_scales, &vs = a->v_scales;
@@ -245,11 +277,10 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   const int64_t batch = p.lengths.rows;
   const int64_t d = p.k.head_dim;
   const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
-  // 128-row query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (>= 128 packed rows per
-  // batch row on average, so decode rows keep the 64-row tiles and their key split) on 16-bit caches with
-  // D <= 128: 1.18x faster than 64-row tiles (B=8 L=4096 causal, H200, 2026-11-28)
-  const bool rows32 = !fp8 && d <= 128 &&
-                      p.num_rows * p.heads_per_kv >= kAttnRowsM32 * batch;
+  // 128-row query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (decode rows keep the
+  // 64-row tiles and their key split) on 16-bit caches with D <= 128: 1.18x faster than 64-row tiles (B=8
+  // L=4096 causal, H200, 2026-11-28); the warpgroup kernels take 64-row tiles
+  const bool rows32 = !plan->wgmma && !fp8 && d <= 128 && prefill_like(p.num_rows, p.heads_per_kv, batch);
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
   // ones with the key split on an H200, 2026-11-27: removed)
@@ -257,6 +288,13 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),
             static_cast<unsigned>(plan->num_splits));
+  if (plan->wgmma) {
+    if (a->q.dtype == PKV_DTYPE_BF16)
+      return fp8 ? dispatch_wgmma<__nv_bfloat16, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+                 : dispatch_wgmma<__nv_bfloat16, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+    return fp8 ? dispatch_wgmma<__half, true>(p, d, plan->loader, kmap, vmap, grid, stream)
+               : dispatch_wgmma<__half, false>(p, d, plan->loader, kmap, vmap, grid, stream);
+  }
   if (rows32)
     return a->q.dtype == PKV_DTYPE_BF16
                ? dispatch_head_dim<__nv_bfloat16, false, kAttnRowsM32>(p, d, plan->loader, kmap, vmap, grid, stream)

@@ -2,10 +2,14 @@
 // (Q tile, double-buffered K/V tiles through the loader, QK^T and PV on mma.sync, online softmax, the
 // epilogue); attn_kernel wraps it with its launch bounds; attn_combine_kernel merges split-KV partials.
 // The kernel body is one piece: its tile loop shares the accumulators, the masks and the pipeline
-// state. Internal to flash_attn_paged.cu (its one includer): everything here has internal linkage.
+// state. kWgmma (sm_90a) takes the products to warpgroup MMAs instead (wgmma.cuh: the CTA's 4 warps are
+// one warpgroup, and its accumulators hold the same per-thread values as the mma.sync fragments, so the
+// softmax, masks and epilogue are shared). Internal to flash_attn_paged.cu (its one includer): everything
+// here has internal linkage.
 #pragma once
 
 #include "flash_attn_paged_params.cuh"
+#include "wgmma.cuh"
 
 namespace pkv {
 namespace {
@@ -49,7 +53,7 @@ __device__ __noinline__ int masked_mixed_nonfinite(const AttnParams &p, uint8_t 
   return poisoned;
 }
 
-template <int D, typename T, bool kFp8, int kLoader, int kBM>
+template <int D, typename T, bool kFp8, int kLoader, int kBM, bool kWgmma>
 __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap *kmap, const CUtensorMap *vmap,
                                           uint8_t *smem) {
   using L = AttnLayout<D, kFp8, kBM>;
@@ -136,7 +140,10 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // K/V fragment read from shared memory feeds two MMAs, and a tile's fixed costs serve twice the rows)
   constexpr int kMB = BM / (kWarps * 16);
   static_assert(kMB * kWarps * 16 == BM && (kMB == 1 || kMB == 2), "query tile rows");
-  constexpr bool kKeySplitFits = kMB == 1 && BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
+  // the warpgroup path: one 64-row m-block of the warpgroup (warp w's rows 16w .. 16w + 15, as kMB = 1),
+  // a whole tile of keys per MMA (N = BN for S, N = D for O), no key split (its calls are prefill-like)
+  static_assert(!kWgmma || (kMB == 1 && BN == 64 && (D == 64 || D == 128)), "warpgroup tile shapes");
+  constexpr bool kKeySplitFits = !kWgmma && kMB == 1 && BN / kWarps >= 16 && (BN / kWarps) % 16 == 0;
   const bool key_split = kKeySplitFits && tile_rows <= 16;
   // first packed row of m-block mb of this warp (key split: every warp takes rows 0-15)
   auto qrow0 = [&](int mb) { return key_split ? 0 : (warp * kMB + mb) * 16; };
@@ -161,7 +168,19 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) o[mb][dt][0] = o[mb][dt][1] = o[mb][dt][2] = o[mb][dt][3] = 0.0f;
   }
-  const bool warp_active = key_split || warp * kMB * 16 < tile_rows;
+  // (the warpgroup's MMAs need all four warps, past the tile's rows too: those rows see no key)
+  const bool warp_active = kWgmma || key_split || warp * kMB * 16 < tile_rows;
+
+  // the warpgroup path's A operand of S = Q K^T: Q's fragments, read from shared memory once for all tiles
+  // (the mma.sync path reads them at every tile)
+  uint32_t q_frag[kWgmma ? D / 16 : 1][4];
+  if constexpr (kWgmma) {
+    __syncthreads();  // the Q tile
+    const int m = lane >> 3;
+    const uint32_t q_lane = swizzle_lane_base(smem_u32(sq), warp * 16 + (m & 1) * 8 + (lane & 7), m >> 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) ldmatrix_x4(q_frag[kk], swizzle_step(q_lane, 2 * kk, BM));
+  }
 
   const int64_t num_pages = p.k.num_pages;
   // keys outside [lo_tile, hi_tile) are masked (zeroed): no row of the tile sees them, and a causal
@@ -303,6 +322,9 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         fence_proxy_async_smem();  // these bytes are TMA-written again two tiles later
       }
     }
+    // the warpgroup MMAs read shared memory through the async proxy: the threads' writes (cp.async copies,
+    // FP8 conversions, zeroed rows) are made visible to it before the barrier
+    if constexpr (kWgmma) fence_proxy_async_smem();
     if (k_fragments)
       __syncwarp();  // this warp's rows are ready (Q and the tile rows were published by (A))
     else
@@ -310,7 +332,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 
     // a tile holding mixed keys (masked_mixed_nonfinite): NaN sums for the rows that see a non-finite V value
     if ((it >= mixed_a0 && it <= mixed_a1) || (it >= mixed_b0 && it <= mixed_b1)) {
-      const int poisoned = masked_mixed_nonfinite<T, D, kMB, BN, !kFp8 && kLoader != PKV_LOADER_CP_ASYNC>(
+      const int poisoned = masked_mixed_nonfinite<T, D, kMB, BN, kWgmma || (!kFp8 && kLoader != PKV_LOADER_CP_ASYNC)>(
           p, const_cast<uint8_t *>(vs), (my_begin + it) * BN, cached, total, tile_first, tile_rows, key_split,
           k_fragments);
 #pragma unroll
@@ -341,8 +363,18 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       const uint32_t k_lane = swizzle_lane_base(smem_u32(ks), kcol0 + (m >> 1) * 8 + (lane & 7), m & 1);
       const uint32_t v_lane = swizzle_lane_base(smem_u32(vs), kcol0 + (m & 1) * 8 + (lane & 7), m >> 1);
       // S = Q K^T
+      if constexpr (kWgmma) {
+        float *acc = &s[0][0][0];
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
+        for (int kk = 0; kk < D / 16; kk++)
+          wgmma_rs<NT * 8, T, 0>(acc, q_frag[kk], wgmma_desc_k_major(smem_u32(ks), kk, BN), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin<NT * 4>(acc);
+      }
+#pragma unroll
+      for (int kk = 0; kk < (kWgmma ? 0 : D / 16); kk++) {
         uint32_t a[kMB][4];
 #pragma unroll
         for (int mb = 0; mb < kMB; mb++) ldmatrix_x4(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
@@ -455,8 +487,18 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
         }
       }
       // O += P V
+      if constexpr (kWgmma) {
+        float *acc = &o[0][0][0];
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < NT / 2; kk++) {
+        for (int kk = 0; kk < NT / 2; kk++)
+          wgmma_rs<D, T, 1>(acc, pa[0][kk], wgmma_desc_mn_major(smem_u32(vs), kk, BN), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin<D / 2>(acc);
+      }
+#pragma unroll
+      for (int kk = 0; kk < (kWgmma ? 0 : NT / 2); kk++) {
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
           uint32_t bf[4];
@@ -543,16 +585,20 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 // 64-row tiles are the exception: shared memory lets three (FP8) to five (16-bit) CTAs share an SM and 168
 // registers let three, which ptxas met unasked (16-bit 167, FP8 cp.async 168) until the changes of
 // 2026-11-28 took them to 169-173.
-constexpr int attn_min_ctas(int d, int bm) { return d == 64 && bm == kAttnRowsM ? 3 : 1; }
+// The warpgroup kernels ask for two CTAs per SM (shared memory allows two at D 128): one CTA's softmax
+// runs while the other's MMAs do.
+constexpr int attn_min_ctas(int d, int bm, bool wgmma) {
+  return wgmma ? 2 : d == 64 && bm == kAttnRowsM ? 3 : 1;
+}
 
-template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM>
-__global__ void __launch_bounds__(kAttnThreads, attn_min_ctas(D, kBM))
+template <int D, typename T, bool kFp8, int kLoader, int kBM = kAttnRowsM, bool kWgmma = false>
+__global__ void __launch_bounds__(kAttnThreads, attn_min_ctas(D, kBM, kWgmma))
     attn_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap kmap,
                 const __grid_constant__ CUtensorMap vmap) {
-  if constexpr (loader_compiled<kLoader>()) {
+  if constexpr (loader_compiled<kLoader>() && (!kWgmma || wgmma_compiled())) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_align_1024(smem_raw);
-    attn_body<D, T, kFp8, kLoader, kBM>(p, &kmap, &vmap, smem);
+    attn_body<D, T, kFp8, kLoader, kBM, kWgmma>(p, &kmap, &vmap, smem);
   } else {
     __trap();
   }

@@ -21,6 +21,7 @@ struct DeviceInfo {
   bool present = false;  // a device with this index exists and answered
   int major = 0, sms = 0;
   bool loader_ok[PKV_LOADER_COUNT] = {};
+  bool wgmma_ok = false;  // cc 9.x running code built for sm_90a (the warpgroup-MMA kernels)
 };
 
 bool loader_runs(pkv_loader loader, int major, int ptx) {
@@ -51,6 +52,7 @@ DeviceInfo query_device(int device) {
     const pkv_loader loader = static_cast<pkv_loader>(l);
     info.loader_ok[l] = loader_runs(loader, info.major, loader_kernel_ptx_version(loader));
   }
+  info.wgmma_ok = info.major == 9 && wgmma_kernels_compiled() == 1;
   if (previous != device) cudaSetDevice(previous);
   return info;
 }
@@ -130,6 +132,8 @@ int pkv_cuda_loader_available(int device, pkv_loader loader) {
   if (loader < 0 || loader >= PKV_LOADER_COUNT) return 0;
   return pkv::device_info(device).loader_ok[loader] ? 1 : 0;
 }
+
+int pkv_cuda_wgmma_available(int device) { return pkv::device_info(device).wgmma_ok ? 1 : 0; }
 
 pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force_loader, pkv_cuda_attn_plan *plan,
                                    pkv_error *err) {
@@ -239,6 +243,11 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   int64_t splits = 1;
   if (ctas < sms) splits = (2 * (int64_t)sms + ctas - 1) / ctas;
   pkv::fill_split_plan(plan, device, sms, loader, splits, max_key_tiles, a);
+  // the warpgroup-MMA kernels (opt-in, not yet run on a GPU): prefill-like calls at D 64 or 128 on an
+  // sm_90a build running on a cc 9.x device, with the loaders such a device has
+  plan->wgmma = pkv_settings_get().cuda_prefill_wgmma && info.wgmma_ok && (d == 64 || d == 128) &&
+                (loader == PKV_LOADER_CP_ASYNC || loader == PKV_LOADER_TMA_PAGES) &&
+                pkv::prefill_like(t, heads_per_kv, batch);
   return PKV_OK;
 }
 

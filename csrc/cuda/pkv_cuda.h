@@ -38,6 +38,9 @@ const char *pkv_loader_name(pkv_loader loader);
  * built from must be new enough, so a body that would only trap is never
  * picked). 0 otherwise, also when no device is present. */
 int pkv_cuda_loader_available(int device, pkv_loader loader);
+/* 1 when `device` (cc 9.x) runs code built for sm_90a, which holds the warpgroup-MMA attention kernels
+ * (kernel option cuda_prefill_wgmma); 0 otherwise, also when no device is present. */
+int pkv_cuda_wgmma_available(int device);
 
 /* ---- paged_store ---- */
 pkv_status pkv_cuda_store_supported(const pkv_store_args *a, pkv_error *err);
@@ -61,6 +64,7 @@ typedef struct {
   int64_t partial_lse_floats; /* [num_splits, T, Hq] */
   int portable;               /* 1: the portable kernel (flash_attn_paged_portable.cu: K tails, other heads) */
   int mla;                    /* 1: the MLA kernel (flash_attn_mla.cuh: D 576, Dv 512, V the latent of K) */
+  int wgmma;                  /* 1: the warpgroup-MMA kernel (sm_90a; kernel option cuda_prefill_wgmma) */
 } pkv_cuda_attn_plan;
 
 /* force_loader: -1 picks the best available; otherwise that loader or an error. */

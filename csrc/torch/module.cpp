@@ -24,6 +24,7 @@ pybind11::dict kernel_settings() {
   d["cuda_splits"] = s.cuda_splits;
   d["cuda_sparse_kernel"] = static_cast<int>(s.cuda_sparse);
   d["cuda_fp8_store_rows"] = s.cuda_fp8_store_rows;
+  d["cuda_prefill_wgmma"] = s.cuda_prefill_wgmma;
   return d;
 }
 
@@ -40,6 +41,7 @@ void set_kernel_settings(const pybind11::dict &changes) {
     else if (name == "cuda_splits") s.cuda_splits = value;
     else if (name == "cuda_sparse_kernel") s.cuda_sparse = static_cast<pkv_cuda_sparse_kernel>(value);
     else if (name == "cuda_fp8_store_rows") s.cuda_fp8_store_rows = value;
+    else if (name == "cuda_prefill_wgmma") s.cuda_prefill_wgmma = value;
     else throw pybind11::value_error("pagedkv: no kernel setting named '" + name + "'");
   }
   pkv_error err{};
@@ -66,6 +68,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_loader", &pagedkv::cuda_loader);
   m.def("cuda_loader_available", &pagedkv::cuda_loader_available, pybind11::arg("device"), pybind11::arg("loader"),
         "Whether the loader was compiled for and runs on the CUDA device.");
+  m.def("cuda_wgmma_available", &pagedkv::cuda_wgmma_available, pybind11::arg("device"),
+        "Whether the CUDA device runs the warpgroup-MMA attention kernels (sm_90a code on a cc 9.x device).");
 #else
   m.attr("with_cuda") = false;
 #endif

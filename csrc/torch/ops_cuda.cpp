@@ -36,6 +36,7 @@ bool cuda_loader_available(int device, int loader) {
   if (loader < 0 || loader >= PKV_LOADER_COUNT) return false;
   return pkv_cuda_loader_available(device, static_cast<pkv_loader>(loader)) != 0;
 }
+bool cuda_wgmma_available(int device) { return pkv_cuda_wgmma_available(device) != 0; }
 
 namespace {
 

@@ -12,4 +12,6 @@ void set_cuda_loader(int loader);
 int cuda_loader();
 // Whether `loader` was compiled for and runs on CUDA device `device`.
 bool cuda_loader_available(int device, int loader);
+// Whether CUDA device `device` runs the warpgroup-MMA attention kernels (sm_90a code on a cc 9.x device).
+bool cuda_wgmma_available(int device);
 }  // namespace pagedkv

@@ -250,6 +250,7 @@ _KERNEL_OPTIONS = {
     "cuda_splits": int,
     "cuda_sparse_kernel": ("auto", "portable"),
     "cuda_fp8_store_rows": bool,
+    "cuda_prefill_wgmma": bool,
 }
 _FIRST_CODE = {"cuda_loader": -1}
 
@@ -279,6 +280,9 @@ def set_kernel_options(**options) -> dict:
     cuda_sparse_kernel: "auto" or "portable" (flash_attn_paged_sparse's portable kernel always).
     cuda_fp8_store_rows: opt-in, compiled and not yet run on a GPU: paged_store into FP8 caches with a
         warp per token row over all heads and the hardware conversion (csrc/cuda/README.md).
+    cuda_prefill_wgmma: opt-in, compiled and not yet run on a GPU: prefill-like calls (many query rows
+        per KV head) at head size 64 or 128 on Hopper's warpgroup MMA (sm_90a builds on cc 9.x devices;
+        elsewhere the default kernel runs) (csrc/cuda/README.md).
     """
     previous = kernel_options()
     changes = {}
