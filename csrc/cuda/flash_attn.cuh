@@ -25,10 +25,11 @@ void set_sinks_and_lse(Params &p, const pkv_attn_args *a) {
   }
 }
 
-// Prefill-like calls: >= 128 packed (query row, query head) rows per batch row on average (decode rows
-// have a few); they take the 128-row query tiles, or the warpgroup kernels where those are chosen.
-inline bool prefill_like(int64_t rows, int64_t heads_per_kv, int64_t batch) {
-  return rows * heads_per_kv >= kAttnRowsM32 * batch;
+// Whether a call's packed (query row, query head) rows fill query tiles of `tile_rows` rows: at least that
+// many per batch row on average. Prefill and chunked prefill fill the 128-row tiles; speculative-decoding
+// verification (several new tokens per row, GQA) fills 64-row ones; decode (a few per row) neither.
+inline bool fills_query_tiles(int64_t rows, int64_t heads_per_kv, int64_t batch, int64_t tile_rows) {
+  return rows * heads_per_kv >= tile_rows * batch;
 }
 // 1 when the code the current device runs has the warpgroup-MMA kernels (sm_90a), else 0 (flash_attn_paged.cu).
 int wgmma_kernels_compiled();

@@ -280,7 +280,8 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   // 128-row query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (decode rows keep the
   // 64-row tiles and their key split) on 16-bit caches with D <= 128: 1.18x faster than 64-row tiles (B=8
   // L=4096 causal, H200, 2026-11-28); the warpgroup kernels take 64-row tiles
-  const bool rows32 = !plan->wgmma && !fp8 && d <= 128 && prefill_like(p.num_rows, p.heads_per_kv, batch);
+  const bool rows32 =
+      !plan->wgmma && !fp8 && d <= 128 && fills_query_tiles(p.num_rows, p.heads_per_kv, batch, kAttnRowsM32);
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
   // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
   // ones with the key split on an H200, 2026-11-27: removed)

@@ -243,11 +243,12 @@ pkv_status pkv_cuda_attn_plan_make(const pkv_attn_args *a, int device, int force
   int64_t splits = 1;
   if (ctas < sms) splits = (2 * (int64_t)sms + ctas - 1) / ctas;
   pkv::fill_split_plan(plan, device, sms, loader, splits, max_key_tiles, a);
-  // the warpgroup-MMA kernels (opt-in, not yet run on a GPU): prefill-like calls at D 64 or 128 on an
+  // the warpgroup-MMA kernels (opt-in, not yet run on a GPU): calls whose packed rows fill their 64-row
+  // query tiles (prefill, chunked prefill, several new tokens per row with GQA) at D 64 or 128, on an
   // sm_90a build running on a cc 9.x device, with the loaders such a device has
   plan->wgmma = pkv_settings_get().cuda_prefill_wgmma && info.wgmma_ok && (d == 64 || d == 128) &&
                 (loader == PKV_LOADER_CP_ASYNC || loader == PKV_LOADER_TMA_PAGES) &&
-                pkv::prefill_like(t, heads_per_kv, batch);
+                pkv::fills_query_tiles(t, heads_per_kv, batch, pkv::kAttnRowsM);
   return PKV_OK;
 }
 

@@ -1,6 +1,7 @@
 """flash_attn_paged's warpgroup-MMA kernels (kernel option cuda_prefill_wgmma: sm_90a code on a cc 9.x
-device; opt-in until its first GPU run decides it) against pagedkv.reference: prefill-like batches (>= 128
-packed rows per batch row) at head sizes 64 and 128, bf16 and fp16, 16-bit and FP8 caches (row scales and
+device; opt-in until its first GPU run decides it) against pagedkv.reference: batches whose packed (query
+row, query head) rows fill 64-row query tiles (prefill, chunked prefill, speculative-decoding verification
+with GQA) at head sizes 64 and 128, bf16 and fp16, 16-bit and FP8 caches (row scales and
 scale groups), both Hopper loaders, causal and not, windows, softcap, sinks and LSE, split-KV, page sizes 1
 to 256, query tiles and key tiles cut at every boundary, NaN in slots no query sees, scores that rise past
 the float range. Each test also checks, with the profiler, that a warpgroup kernel ran. Skipped where the
@@ -121,6 +122,33 @@ def test_wgmma_gqa_softcap_sinks_lse(loader, q_heads, num_kv_heads, option):
     rows = [(300, 600 // g), (0, 1200 // g), (777, 1), (64, 3)]
     attend_wgmma(rows, head_dim=128, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, loader=loader,
                  q_heads=q_heads, num_kv_heads=num_kv_heads, seed=(option,), **case)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("new_tokens", [4, 8])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_name)
+def test_wgmma_speculative_verification(new_tokens, cache_dtype):
+    """Speculative-decoding verification: several new tokens per row over long caches, GQA 8 (16 query
+    heads, 2 KV heads), 32 or 64 packed rows per row: 8 new tokens fill a 64-row tile, 4 do not (the
+    default kernel then), causal, both against the reference."""
+    wgmma_or_skip()
+    rows = [(cached, new_tokens) for cached in (500, 37, 1300, 64, 999, 5, 256, 700)]
+    if new_tokens * 8 >= 64:
+        attend_wgmma(rows, head_dim=128, q_dtype=torch.bfloat16, cache_dtype=cache_dtype, q_heads=16,
+                     num_kv_heads=2, causal=True, seed=("verification", new_tokens))
+    else:  # too few packed rows: the plan keeps the default kernel
+        pagedkv.set_kernel_options(cuda_prefill_wgmma=True)
+        gen = generator(seed_from("verification", new_tokens, str(cache_dtype)))
+        kv, batch = make_setup(gen, rows, layout="separate", page_size=16, num_kv_heads=2, head_dim=128,
+                               dtype=cache_dtype, device="cuda")
+        fill_history(gen, kv, batch)
+        q = randn(gen, (batch.num_tokens, 16, 128), torch.bfloat16, "cuda")
+        args = (q, batch.input_row_offsets, kv.k_cache, kv.v_cache, batch.cache_lengths, batch.lookup_table)
+        kwargs = dict(k_scales=kv.k_scales, v_scales=kv.v_scales)
+        result = {}
+        assert not wgmma_kernels_launched(lambda: result.setdefault("out", pagedkv.flash_attn_paged(*args, **kwargs)))
+        assert_attention_close(result["out"], ref.flash_attn_paged(q.double(), *args[1:], **kwargs), torch.bfloat16,
+                               "verification, 4 new tokens")
 
 
 @CUDA_ONLY
