@@ -1,7 +1,8 @@
 """The kernels Nsight Compute profiles in gpu_run.sh's `profile` stage: one flash_attn_paged decode
 each for bf16 and e4m3 (issue 22's decode: B=32, L=8192, Hq/Hk 32/8, D 128, page 16) and one causal
-prefill (B=8, L=4096), in that order, on the same pools as benchmarks/bench_gpu.py. ncu replays each
-launch for its metrics, so one launch of each is all this runs."""
+prefill (B=8, L=4096), then the same prefill on the warpgroup-MMA kernels (kernel option
+cuda_prefill_wgmma, where the device runs them), in that order, on the same pools as
+benchmarks/bench_gpu.py. ncu replays each launch for its metrics, so one launch of each is all this runs."""
 
 from __future__ import annotations
 
@@ -37,5 +38,11 @@ if __name__ == "__main__":
     decode(torch.bfloat16)
     decode(torch.float8_e4m3fn)
     prefill()
+    done = "decode bf16, decode e4m3, prefill bf16"
+    if bench_gpu.pagedkv._C.cuda_wgmma_available(0):
+        previous = bench_gpu.pagedkv.set_kernel_options(cuda_prefill_wgmma=True)
+        prefill()
+        bench_gpu.pagedkv.set_kernel_options(**previous)
+        done += ", prefill bf16 on warpgroup MMA"
     torch.cuda.synchronize()
-    print("profiled: decode bf16, decode e4m3, prefill bf16")
+    print("profiled:", done)

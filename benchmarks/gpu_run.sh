@@ -129,6 +129,15 @@ if want test; then
       log "$(basename "$t"): does not compile (gpu_run.log)"
     fi
   done
+  # the opt-in kernel paths' tests first (each path waits for its first GPU run: csrc/cuda/README.md), so
+  # their verdict lands even if the suite stops at its limit; GPU_OPTIN_K names them (pytest -k)
+  OPTIN_K=${GPU_OPTIN_K:-"wgmma or fp8_rows"}
+  log "opt-in paths: pytest tests/ops -k '$OPTIN_K' (limit ${GPU_T_OPTIN:-120}s)"
+  OMP_NUM_THREADS=2 timeout "${GPU_T_OPTIN:-120}" $PY -m pytest tests/ops -q -rfEs -p no:cacheprovider -k "$OPTIN_K" \
+    $(has_module xdist && echo "-n ${GPU_TEST_WORKERS:-8}") >"$OUT/pytest.txt" 2>&1
+  log "opt-in pytest exit code $?: $(tail -1 "$OUT/pytest.txt")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -20
+  echo "---- the whole suite ----" >>"$OUT/pytest.txt"
   # the whole suite (vLLM's own tests need vLLM's venv: scripts/test_vllm.sh); xdist workers when the
   # machine has pytest-xdist (each with 2 CPU threads), a per-test limit when it has pytest-timeout
   # (a hung kernel then fails its test instead of the stage)
@@ -137,7 +146,7 @@ if want test; then
   has_module pytest_timeout && PAR+=(--timeout "${GPU_TEST_TIMEOUT:-180}")
   log "tests: pytest tests/ ${PAR[*]} (CUDA and CPU cases; limit ${GPU_T_TEST:-300}s)"
   OMP_NUM_THREADS=2 timeout "${GPU_T_TEST:-300}" $PY -m pytest tests/ -v -rfEs -p no:cacheprovider \
-    --ignore=tests/vllm_integration "${PAR[@]}" >"$OUT/pytest.txt" 2>&1
+    --ignore=tests/vllm_integration "${PAR[@]}" >>"$OUT/pytest.txt" 2>&1
   log "pytest exit code $?: $(tail -1 "$OUT/pytest.txt")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
@@ -201,7 +210,7 @@ if want profile; then
   # per-instruction source counters (the build carries -lineinfo). --clock-control none: the card's
   # clocks are left as they are.
   log "ncu on gpu_profile.py's attention kernels (limit ${GPU_T_PROFILE:-150}s)"
-  timeout "${GPU_T_PROFILE:-150}" ncu --clock-control none -k regex:attn_kernel -c 3 \
+  timeout "${GPU_T_PROFILE:-150}" ncu --clock-control none -k regex:attn_kernel -c 4 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
     -f -o "$OUT/profile" $PY benchmarks/gpu_profile.py >"$OUT/ncu_run.txt" 2>&1
