@@ -323,8 +323,9 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       }
     }
     // the warpgroup MMAs read shared memory through the async proxy: the threads' writes (cp.async copies,
-    // FP8 conversions, zeroed rows) are made visible to it before the barrier
-    if constexpr (kWgmma) fence_proxy_async_smem();
+    // FP8 conversions) are made visible to it before the barrier (16-bit TMA tiles: only zeroed masked
+    // rows are written, and that branch fences)
+    if constexpr (kWgmma && (kFp8 || kLoader == PKV_LOADER_CP_ASYNC)) fence_proxy_async_smem();
     if (k_fragments)
       __syncwarp();  // this warp's rows are ready (Q and the tile rows were published by (A))
     else
