@@ -651,9 +651,10 @@ static void fuzz_sparse(reader *r) {
   broadcast_per_tensor_scale(&a.v_scales, &a.v_cache, a.quant_group, &m);
   if (pkv_scales_per_tensor(&a.k_scales) || pkv_scales_per_tensor(&a.v_scales)) goto done;
   int64_t work = pkv_sparse_cpu_work(&a), mid = work ? take_below(r, work + 1) : 0;
+  const pkv_sparse_plan plan = pkv_sparse_cpu_plan(&a);
   pkv_error err;
-  require(pkv_sparse_cpu(&a, mid, work, &err) == PKV_OK, "sparse kernel runs", err.message);
-  require(pkv_sparse_cpu(&a, 0, mid, &err) == PKV_OK, "sparse kernel runs", err.message);
+  require(pkv_sparse_cpu(&a, &plan, mid, work, &err) == PKV_OK, "sparse kernel runs", err.message);
+  require(pkv_sparse_cpu(&a, &plan, 0, mid, &err) == PKV_OK, "sparse kernel runs", err.message);
   g_stats[3][2]++;
 done:
   arena_free(&m);

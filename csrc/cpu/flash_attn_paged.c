@@ -66,32 +66,51 @@ static int64_t rows_per_item(int64_t heads) {
  * AMX path's whole 32-row tile pairs. */
 static int64_t scratch_queries(int64_t heads) { return (rows_per_item(heads) * heads + 31) / 32 * 32; }
 
-/* Each item's path (pkv_cpu_attn_path), chosen once here by the table's attn_path: the kernel runs the one
- * function of that path. */
-static void choose_paths(const pkv_attn_args *a, pkv_attn_item *items, int64_t n, int64_t heads) {
-  const pkv_cpu_kernels *k = pkv_cpu_kernels_get();
+/* What the table's attn_path reads besides an item's shape, read once per call. */
+typedef struct {
+  const pkv_cpu_kernels *kernels;
+  int use_dot;             /* bf16 dot products allowed */
+  pkv_cpu_decode decode;   /* the cpu_decode setting */
+  int64_t scratch_queries; /* query vectors the scratch holds */
+} path_inputs;
+
+static path_inputs path_inputs_of(const pkv_attn_args *a, int64_t heads) {
   pkv_dtype kdt = a->k_cache.dtype;
   int64_t dk = a->k_cache.sizes[3];
+  path_inputs p;
+  p.kernels = pkv_cpu_kernels_get();
   /* bf16 dot products are exact only when q and the (raw) keys are bf16 values: FP8 keys under the dot
    * decode's rule for scale groups, the one dot_decode_ok applies (attn_path keeps grouped keys off the
    * other bf16 paths) */
-  int use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
-                (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(dk, a->quant_group)));
-  const pkv_cpu_decode decode = pkv_settings_get().cpu_decode; /* once per call */
-  for (int64_t i = 0; i < n; i++)
-    items[i].path = k->attn_path(a, items[i].num_rows * heads, items[i].num_kv_heads, use_dot, decode,
-                                 scratch_queries(heads));
+  p.use_dot = pkv_cpu_has_dot_bf16() && a->q.dtype == PKV_DTYPE_BF16 &&
+              (kdt == PKV_DTYPE_BF16 || (pkv_dtype_is_fp8(kdt) && pkv_cpu_fp8_dot_groups_ok(dk, a->quant_group)));
+  p.decode = pkv_settings_get().cpu_decode;
+  p.scratch_queries = scratch_queries(heads);
+  return p;
+}
+
+/* The path (pkv_cpu_attn_path) of an item of nqh query vectors per KV head and nh KV heads: the table's
+ * attn_path, where every path rule is. */
+static pkv_cpu_attn_path item_path(const pkv_attn_args *a, const path_inputs *p, int64_t nqh, int64_t nh) {
+  return p->kernels->attn_path(a, nqh, nh, p->use_dot, p->decode, p->scratch_queries);
+}
+
+/* Each item's path, chosen once here: the kernel runs the one function of that path. */
+static void choose_paths(const pkv_attn_args *a, const path_inputs *p, pkv_attn_item *items, int64_t n,
+                         int64_t heads) {
+  for (int64_t i = 0; i < n; i++) items[i].path = item_path(a, p, items[i].num_rows * heads, items[i].num_kv_heads);
 }
 
 /* KV heads per item for a row with `rows` new tokens: rows short of a full
  * block (decode) take several heads, up to the same query-vector budget.
- * With AMX tiles (amx_tiles: the AMX table, a bf16 q and a bf16 or FP8 cache) an item
- * of >= PKV_CPU_MANY_QUERIES query vectors keeps one KV head: the tile path takes one head per
- * item, and grouping heads would send it to the AVX-512 dot products instead
- * (a 32-query, 4096-key shared prefix, 32/8 heads, 2 threads: 11.8 -> 4.8 ms). */
-static int64_t heads_per_item(int64_t rows, int64_t rows_max, int64_t heads, int64_t hk, int amx_tiles) {
+ * An item that attn_path sends to the AMX prefill tiles as one KV head keeps
+ * one: the tile path takes one head per item, and grouping heads would send it
+ * to the AVX-512 dot products instead (a 32-query, 4096-key shared prefix,
+ * 32/8 heads, 2 threads: 11.8 -> 4.8 ms). */
+static int64_t heads_per_item(const pkv_attn_args *a, const path_inputs *p, int64_t rows, int64_t rows_max,
+                              int64_t heads, int64_t hk) {
   if (rows <= 0 || rows >= rows_max) return 1;
-  if (amx_tiles && rows * heads >= PKV_CPU_MANY_QUERIES) return 1;
+  if (item_path(a, p, rows * heads, 1) == PKV_CPU_PATH_AMX) return 1;
   int64_t nh = PKV_CPU_QUERIES_PER_ITEM / (rows * heads);
   return nh < 1 ? 1 : (nh > hk ? hk : nh);
 }
@@ -144,16 +163,13 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   pkv_index_view lengths = pkv_index_view_from(&a->cache_lengths);
   int64_t batch = offsets.rows - 1, hk = a->k_cache.sizes[2], heads = a->q.sizes[1] / hk;
   int64_t rows_max = rows_per_item(heads), count = 0;
-  /* attn_path's amx_exact: bf16 queries over bf16 or FP8 caches */
-  int amx_tiles = pkv_cpu_kernels_get() == &pkv_cpu_kernels_amx && a->q.dtype == PKV_DTYPE_BF16 &&
-                  (a->k_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->k_cache.dtype)) &&
-                  (a->v_cache.dtype == PKV_DTYPE_BF16 || pkv_dtype_is_fp8(a->v_cache.dtype));
+  const path_inputs paths = path_inputs_of(a, heads); /* once per call */
   plan->items = NULL;
   plan->num_items = 0;
   plan->splits = NULL;
   plan->claims = NULL;
   for (int64_t b = 0; b < batch; b++) {
-    int64_t rows = pkv_new_tokens(&offsets, b), nh = heads_per_item(rows, rows_max, heads, hk, amx_tiles);
+    int64_t rows = pkv_new_tokens(&offsets, b), nh = heads_per_item(a, &paths, rows, rows_max, heads, hk);
     count += (rows + rows_max - 1) / rows_max * ((hk + nh - 1) / nh);
   }
 
@@ -165,7 +181,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
   int64_t n = 0, splits_wanted = 1;
   for (int64_t b = 0; b < batch; b++) {
     int64_t start = pkv_index_at(&offsets, b), rows = pkv_new_tokens(&offsets, b);
-    int64_t nh = heads_per_item(rows, rows_max, heads, hk, amx_tiles);
+    int64_t nh = heads_per_item(a, &paths, rows, rows_max, heads, hk);
     for (int64_t r = 0; r < rows; r += rows_max)
       for (int64_t h = 0; h < hk; h += nh) {
         pkv_attn_item *it = &items[n++];
@@ -179,7 +195,7 @@ pkv_status pkv_attn_cpu_plan(const pkv_attn_args *a, pkv_attn_plan *plan, pkv_er
         it->split_slot = -1;
       }
   }
-  choose_paths(a, items, n, heads); /* before the splits: they copy their item's path */
+  choose_paths(a, &paths, items, n, heads); /* before the splits: they copy their item's path */
   if (n > 0 && n < PKV_CPU_SPLIT_TARGET_ITEMS) splits_wanted = (PKV_CPU_SPLIT_TARGET_ITEMS + n - 1) / n;
 
   /* ---- split-KV ---- */

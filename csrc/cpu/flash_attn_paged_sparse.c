@@ -1,7 +1,8 @@
 /* pagedkv core: flash_attn_paged_sparse on the CPU, the ISA-free driver.
  *
- * Work items are (query row t, KV head) pairs; the kernel is kernels/sparse_item.inc, compiled per
- * ISA like the attention kernels and picked by pkv_cpu_sparse_get() (PAGEDKV_CPU_ISA applies).
+ * Work items are (query row t, KV head) pairs, all on one path that the plan chooses once per call
+ * (pkv_sparse_cpu_plan); the kernel is kernels/sparse_item.inc, compiled per ISA like the attention
+ * kernels and picked by pkv_cpu_sparse_get() (PAGEDKV_CPU_ISA applies).
  *
  * Why it is built this way. Measured 2026-11-25 on the 2-core AVX2 EPYC (shared: load average 4-8
  * from other jobs throughout) with the quick benchmark's item (benchmarks/bench_sparse.py: B=1,
@@ -37,6 +38,14 @@
 
 int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a) { return a->q.sizes[0] * a->k_cache.sizes[2]; }
 
-pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err) {
-  return pkv_cpu_sparse_get()(a, begin, end, err);
+/* The items' path, chosen once per call by the table's sparse_path (kernels/sparse_item.inc), where every
+ * rule of it is. */
+pkv_sparse_plan pkv_sparse_cpu_plan(const pkv_sparse_args *a) {
+  pkv_sparse_plan plan = {(int)pkv_cpu_sparse_get()->sparse_path(a)};
+  return plan;
+}
+
+pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, const pkv_sparse_plan *plan, int64_t begin, int64_t end,
+                          pkv_error *err) {
+  return pkv_cpu_sparse_get()->sparse_items(a, (pkv_cpu_sparse_path)plan->path, begin, end, err);
 }

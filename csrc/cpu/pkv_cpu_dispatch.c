@@ -106,17 +106,17 @@ const pkv_cpu_kernels *pkv_cpu_kernels_get(void) {
   return &pkv_cpu_kernels_scalar;
 }
 
-/* flash_attn_paged_sparse's kernel for the same ISA as the table. */
-pkv_sparse_cpu_fn pkv_cpu_sparse_get(void) {
+/* flash_attn_paged_sparse's table for the same ISA as the attention table. */
+const pkv_cpu_sparse_kernels *pkv_cpu_sparse_get(void) {
 #ifdef PKV_CPU_X86
   switch (choice().isa) {
-  case ISA_AMX: return pkv_sparse_cpu_amx;
-  case ISA_AVX512: return pkv_sparse_cpu_avx512;
-  case ISA_AVX2: return pkv_sparse_cpu_avx2;
+  case ISA_AMX: return &pkv_cpu_sparse_amx;
+  case ISA_AVX512: return &pkv_cpu_sparse_avx512;
+  case ISA_AVX2: return &pkv_cpu_sparse_avx2;
   default: break;
   }
 #endif
-  return pkv_sparse_cpu_scalar;
+  return &pkv_cpu_sparse_scalar;
 }
 
 int pkv_cpu_has_dot_bf16(void) { return choice().dot_bf16; }

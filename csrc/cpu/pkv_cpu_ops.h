@@ -19,10 +19,17 @@ void pkv_store_cpu(const pkv_store_args *a, int64_t begin, int64_t end);
 int64_t pkv_load_cpu_work(const pkv_load_args *a); /* (row, page) pairs */
 void pkv_load_cpu(const pkv_load_args *a, int64_t begin, int64_t end);
 
-/* Sparse attention: items are (token row, KV head) pairs. Fails only when scratch memory cannot
- * be allocated (nothing written then). */
+/* Sparse attention: items are (token row, KV head) pairs. The plan chooses their path once per
+ * call (a pkv_cpu_sparse_path, pkv_cpu_sparse.h: the same for every item); pkv_sparse_cpu runs items
+ * [begin, end) on it and fails only when scratch memory cannot be allocated (nothing written then). */
+typedef struct {
+  int path; /* how the kernel runs the items: a pkv_cpu_sparse_path, chosen by the plan */
+} pkv_sparse_plan;
+
+pkv_sparse_plan pkv_sparse_cpu_plan(const pkv_sparse_args *a);
 int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a);
-pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
+pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, const pkv_sparse_plan *plan, int64_t begin, int64_t end,
+                          pkv_error *err);
 
 int64_t pkv_merge_cpu_work(const pkv_merge_args *a); /* token rows */
 void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end);

@@ -1,6 +1,6 @@
 /* pagedkv CPU backend: the per-ISA variants of flash_attn_paged_sparse's kernel (internal to
  * csrc/cpu). kernels/sparse_item.inc is compiled into each isa/pkv_cpu_*.c, like the attention
- * kernels; pkv_cpu_sparse_get() returns the variant of the ISA pkv_cpu_kernels_get() picked. */
+ * kernels; pkv_cpu_sparse_get() returns the table of the ISA pkv_cpu_kernels_get() picked. */
 #ifndef PKV_CPU_SPARSE_H
 #define PKV_CPU_SPARSE_H
 
@@ -10,15 +10,28 @@
 extern "C" {
 #endif
 
-/* Same contract as pkv_sparse_cpu (pkv_cpu_ops.h). */
-typedef pkv_status (*pkv_sparse_cpu_fn)(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
+/* How the items of a sparse call run (pkv_sparse_plan.path): chosen once per call by the plan, through the
+ * table's sparse_path (kernels/sparse_item.inc). */
+typedef enum {
+  PKV_CPU_SPARSE_GATHER = 0, /* rows converted to float32 scratch, float32 FMAs (every table) */
+  PKV_CPU_SPARSE_DIRECT,     /* rows read in place, widened in registers by decode_direct.inc's products */
+} pkv_cpu_sparse_path;
 
-pkv_status pkv_sparse_cpu_scalar(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
-pkv_status pkv_sparse_cpu_avx2(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
-pkv_status pkv_sparse_cpu_avx512(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
-pkv_status pkv_sparse_cpu_amx(const pkv_sparse_args *a, int64_t begin, int64_t end, pkv_error *err);
+typedef struct {
+  /* The path of every item of the call. */
+  pkv_cpu_sparse_path (*sparse_path)(const pkv_sparse_args *a);
+  /* Items [begin, end) on that path; same contract as pkv_sparse_cpu (pkv_cpu_ops.h). */
+  pkv_status (*sparse_items)(const pkv_sparse_args *a, pkv_cpu_sparse_path path, int64_t begin, int64_t end,
+                             pkv_error *err);
+} pkv_cpu_sparse_kernels;
 
-pkv_sparse_cpu_fn pkv_cpu_sparse_get(void);
+extern const pkv_cpu_sparse_kernels pkv_cpu_sparse_scalar;
+extern const pkv_cpu_sparse_kernels pkv_cpu_sparse_avx2;
+extern const pkv_cpu_sparse_kernels pkv_cpu_sparse_avx512;
+extern const pkv_cpu_sparse_kernels pkv_cpu_sparse_amx;
+
+/* The sparse table of the ISA pkv_cpu_kernels_get() picked. */
+const pkv_cpu_sparse_kernels *pkv_cpu_sparse_get(void);
 
 #ifdef __cplusplus
 }

@@ -237,9 +237,10 @@ at::Tensor flash_attn_paged_sparse_cpu(const at::Tensor &q, const at::Tensor &k_
   std::atomic<int> failed{0};
   pkv_error item_err{};
   // an item gathers up to K rows of K and V: a few of them per task
+  const pkv_sparse_plan plan = pkv_sparse_cpu_plan(&a);
   at::parallel_for(0, pkv_sparse_cpu_work(&a), 4, [&](int64_t begin, int64_t end) {
     pkv_error local{};
-    if (pkv_sparse_cpu(&a, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
+    if (pkv_sparse_cpu(&a, &plan, begin, end, &local) != PKV_OK && failed.exchange(1) == 0) item_err = local;
   });
   TORCH_CHECK(failed.load() == 0, item_err.message);
   return out;

@@ -109,6 +109,10 @@ static void check_case(const path_case *c) {
     for (int64_t i = 0; want >= 0 && i < plan.num_items; i++)
       CHECK(plan.items[i].path == want, "%s on %s: item %lld takes path %d, expected %d", c->what, name, (long long)i,
             plan.items[i].path, want);
+    /* the AMX prefill tiles take one KV head per item: the plan asks attn_path before grouping heads */
+    for (int64_t i = 0; i < plan.num_items; i++)
+      CHECK(plan.items[i].path != AMX || plan.items[i].num_kv_heads == 1, "%s on %s: AMX item %lld has %lld KV heads",
+            c->what, name, (long long)i, (long long)plan.items[i].num_kv_heads);
     pkv_attn_plan_free(&plan);
   } else {
     CHECK(0, "%s: plan failed: %s", c->what, err.message);

@@ -11,5 +11,5 @@
 #define PKV_CPU_NAME "amx"
 #include "../kernels/pkv_cpu_kernels.inc"
 #include "../pkv_cpu_sparse.h"
-#define PKV_SPARSE_FN pkv_sparse_cpu_amx
+#define PKV_SPARSE_TABLE pkv_cpu_sparse_amx
 #include "../kernels/sparse_item.inc"

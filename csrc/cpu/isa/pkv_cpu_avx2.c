@@ -5,5 +5,5 @@
 #define PKV_CPU_NAME "avx2"
 #include "../kernels/pkv_cpu_kernels.inc"
 #include "../pkv_cpu_sparse.h"
-#define PKV_SPARSE_FN pkv_sparse_cpu_avx2
+#define PKV_SPARSE_TABLE pkv_cpu_sparse_avx2
 #include "../kernels/sparse_item.inc"

@@ -3,5 +3,5 @@
 #define PKV_CPU_NAME "scalar"
 #include "../kernels/pkv_cpu_kernels.inc"
 #include "../pkv_cpu_sparse.h"
-#define PKV_SPARSE_FN pkv_sparse_cpu_scalar
+#define PKV_SPARSE_TABLE pkv_cpu_sparse_scalar
 #include "../kernels/sparse_item.inc"
