@@ -32,11 +32,11 @@ def wgmma_or_skip():
 
 def wgmma_kernels_launched(fn):
     """Runs fn under the profiler; the names of the warpgroup attention kernels it launched
-    (attn_kernel<D, T, fp8, loader, 64, true>)."""
+    (attn_kernel<D, T, fp8, loader, 64, true>, demangled or not)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "attn_kernel<" in e.name and "64, true>" in e.name]
+    return [e.name for e in prof.events() if "attn_kernel" in e.name and ("64, true>" in e.name or "Li64ELb1EEEv" in e.name)]
 
 
 def attend_wgmma(rows, *, head_dim, q_dtype, cache_dtype, page_size=16, loader=1, splits=0, q_heads=8,
