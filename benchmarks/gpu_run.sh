@@ -137,6 +137,15 @@ if want test; then
     $(has_module xdist && echo "-n ${GPU_TEST_WORKERS:-8}") >"$OUT/pytest.txt" 2>&1
   log "opt-in pytest exit code $?: $(tail -1 "$OUT/pytest.txt")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -20
+  # the existing attention tests' CUDA cases with the warpgroup path on for the whole process (where the
+  # device runs it; calls whose rows fill 64-row tiles at D 64 / 128 then take it)
+  WG_TESTS="tests/ops/test_flash_attn_paged.py tests/ops/test_flash_attn_paged_kernel_paths.py
+    tests/ops/test_flash_attn_paged_lse.py tests/ops/test_flash_attn_paged_masked.py"
+  echo "---- PAGEDKV_CUDA_PREFILL_WGMMA=1: the attention tests' CUDA cases ----" >>"$OUT/pytest.txt"
+  # shellcheck disable=SC2086
+  PAGEDKV_CUDA_PREFILL_WGMMA=1 OMP_NUM_THREADS=2 timeout "${GPU_T_OPTIN:-120}" $PY -m pytest $WG_TESTS -q -rfEs \
+    -p no:cacheprovider -k cuda $(has_module xdist && echo "-n ${GPU_TEST_WORKERS:-8}") >>"$OUT/pytest.txt" 2>&1
+  log "attention tests on the warpgroup path: exit code $?: $(tail -1 "$OUT/pytest.txt")"
   echo "---- the whole suite ----" >>"$OUT/pytest.txt"
   # the whole suite (vLLM's own tests need vLLM's venv: scripts/test_vllm.sh); xdist workers when the
   # machine has pytest-xdist (each with 2 CPU threads), a per-test limit when it has pytest-timeout

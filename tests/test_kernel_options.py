@@ -2,8 +2,8 @@
 (csrc/core/pkv_settings.h), read by the CPU driver and the CUDA plans once per call.
 
 Round trip and restore, refusals that change nothing, set_checks and _C.set_cuda_loader as views of the
-same settings, the environment variables that still give initial values (PAGEDKV_CHECK,
-PAGEDKV_CUDA_SPLITS) and those that no longer do, and cpu_decode reaching another CPU path.
+same settings, the environment variables that give initial values (PAGEDKV_CHECK, PAGEDKV_CUDA_SPLITS,
+PAGEDKV_CUDA_PREFILL_WGMMA) and those that no longer do, and cpu_decode reaching another CPU path.
 """
 
 from __future__ import annotations
@@ -71,19 +71,23 @@ def test_set_kernel_options_refuses_and_changes_nothing(bad, match):
     assert pagedkv.kernel_options() == before
 
 
-def test_environment_gives_initial_values_of_the_debugging_caps_only(tmp_path):
-    """PAGEDKV_CHECK and PAGEDKV_CUDA_SPLITS set the initial checks / cuda_splits; the switches that were
-    read per call before (PAGEDKV_CPU_DECODE, the CUDA path switches) are no longer read."""
-    env = dict(os.environ, PAGEDKV_CHECK="1", PAGEDKV_CUDA_SPLITS="3", PAGEDKV_CPU_DECODE="packed",
+def test_environment_gives_initial_values(tmp_path):
+    """PAGEDKV_CHECK, PAGEDKV_CUDA_SPLITS and PAGEDKV_CUDA_PREFILL_WGMMA set the initial checks / cuda_splits /
+    cuda_prefill_wgmma; the switches that were read per call before (PAGEDKV_CPU_DECODE, the CUDA path
+    switches) are no longer read."""
+    env = dict(os.environ, PAGEDKV_CHECK="1", PAGEDKV_CUDA_SPLITS="3", PAGEDKV_CUDA_PREFILL_WGMMA="1",
+               PAGEDKV_CPU_DECODE="packed",
                PAGEDKV_CUDA_SPARSE_KERNEL="portable", PAGEDKV_CUDA_PREFILL_ROWS32="1",
                PYTHONPATH=os.path.dirname(os.path.dirname(pagedkv.__file__)))
     code = "import json, pagedkv; print(json.dumps(pagedkv.kernel_options()))"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {**DEFAULTS, "checks": True, "cuda_splits": 3}
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {**DEFAULTS, "checks": True, "cuda_splits": 3,
+                                                               "cuda_prefill_wgmma": True}
     env.pop("PAGEDKV_CHECK")
     env.pop("PAGEDKV_CUDA_SPLITS")
+    env["PAGEDKV_CUDA_PREFILL_WGMMA"] = "0"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

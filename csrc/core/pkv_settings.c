@@ -8,9 +8,12 @@ static int g_state;
 static pkv_settings g_settings;
 
 pkv_settings pkv_settings_from_env(void) {
-  pkv_settings s = {0, PKV_CPU_DECODE_AUTO, -1, 0, PKV_CUDA_SPARSE_AUTO, 0};
+  pkv_settings s = {0, PKV_CPU_DECODE_AUTO, -1, 0, PKV_CUDA_SPARSE_AUTO, 0, 0};
   const char *checks = getenv("PAGEDKV_CHECK");
   s.checks = checks != NULL && checks[0] != '\0' && checks[0] != '0';
+  /* the opt-in warpgroup path for a whole process (e.g. the existing op tests run on it) */
+  const char *wgmma = getenv("PAGEDKV_CUDA_PREFILL_WGMMA");
+  s.cuda_prefill_wgmma = wgmma != NULL && wgmma[0] != '\0' && wgmma[0] != '0';
   const char *splits = getenv("PAGEDKV_CUDA_SPLITS");
   if (splits != NULL) {
     const long n = strtol(splits, NULL, 10);

@@ -41,7 +41,8 @@ typedef struct {
   int cuda_splits;                     /* PAGEDKV_CUDA_SPLITS=n: 0 the plan's rule, n >= 1 forced split-KV count */
   pkv_cuda_sparse_kernel cuda_sparse;  /* no environment variable */
   int cuda_fp8_store_rows;             /* opt-in, not yet run on a GPU: FP8 paged_store a warp per row */
-  int cuda_prefill_wgmma;              /* opt-in, not yet run on a GPU: prefill on warpgroup MMA (sm_90a) */
+  int cuda_prefill_wgmma;              /* PAGEDKV_CUDA_PREFILL_WGMMA=1; opt-in, not yet run on a GPU: prefill on
+                                          warpgroup MMA (sm_90a) */
 } pkv_settings;
 
 /* The current settings (the environment's on first use, then whatever pkv_settings_set stored). */

@@ -282,7 +282,8 @@ def set_kernel_options(**options) -> dict:
         warp per token row over all heads and the hardware conversion (csrc/cuda/README.md).
     cuda_prefill_wgmma: opt-in, compiled and not yet run on a GPU: prefill-like calls (many query rows
         per KV head) at head size 64 or 128 on Hopper's warpgroup MMA (sm_90a builds on cc 9.x devices;
-        elsewhere the default kernel runs) (csrc/cuda/README.md).
+        elsewhere the default kernel runs) (csrc/cuda/README.md). Initial value from
+        PAGEDKV_CUDA_PREFILL_WGMMA=1.
     """
     previous = kernel_options()
     changes = {}
