@@ -1,10 +1,10 @@
 // Device check (needs an sm_90a GPU: benchmarks/gpu_run.sh's `wgmma` stage builds and runs it) of the
 // warpgroup MMAs of csrc/cuda/wgmma.cuh on the attention kernel's shared-memory tiles (tile.cuh's layout):
 // S = Q K^T with Q's fragments read by ldmatrix and K through the K-major descriptor, and O = P V with P's
-// fragments built in registers and V through the MN-major descriptor, at head sizes 64 and 128, against a
-// float64 product on the host. Each product is also tried with the descriptor's two byte strides swapped,
+// fragments built in registers and V through the MN-major descriptor, at head sizes 64 and 128, in bf16
+// and fp16, against a float64 product on the host. Each product is also tried with the descriptor's two byte strides swapped,
 // so a failure says whether the strides or something else is wrong. Exit 0 when the kernel's own
-// descriptors give the products (relative error < 1e-3: float32 accumulation of bf16 inputs).
+// descriptors give the products (relative error < 1e-3: float32 accumulation of 16-bit inputs).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,9 +17,9 @@ namespace {
 
 constexpr int kRows = 64;  // query rows, keys (the attention kernel's BM and BN at D <= 128)
 
-// q, k, v: [64][D] bf16 bits; p: [64][64] bf16 bits; s: [64][64] and o: [64][D] float outputs. swap_k /
+// q, k, v: [64][D] 16-bit values (T's bits); p: [64][64]; s: [64][64] and o: [64][D] float outputs. swap_k /
 // swap_v exchange the LBO and SBO fields of that operand's descriptors.
-template <int D>
+template <int D, typename T>
 __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *p,
                                    float *s_out, float *o_out, int swap_k, int swap_v) {
   if constexpr (pkv::wgmma_compiled()) {
@@ -50,7 +50,7 @@ __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const u
     pkv::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++)
-      pkv::wgmma_rs<kRows, __nv_bfloat16, 0>(s, qf[kk], swapped(pkv::wgmma_desc_k_major(pkv::smem_u32(sk), kk, kRows), swap_k), 1);
+      pkv::wgmma_rs<kRows, T, 0>(s, qf[kk], swapped(pkv::wgmma_desc_k_major(pkv::smem_u32(sk), kk, kRows), swap_k), 1);
     pkv::wgmma_commit();
     pkv::wgmma_wait<0>();
     pkv::wgmma_pin<kRows / 2>(s);
@@ -69,7 +69,7 @@ __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const u
     pkv::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kRows / 16; kk++)
-      pkv::wgmma_rs<D, __nv_bfloat16, 1>(o, pf[kk], swapped(pkv::wgmma_desc_mn_major(pkv::smem_u32(sv), kk, kRows), swap_v), 1);
+      pkv::wgmma_rs<D, T, 1>(o, pf[kk], swapped(pkv::wgmma_desc_mn_major(pkv::smem_u32(sv), kk, kRows), swap_v), 1);
     pkv::wgmma_commit();
     pkv::wgmma_wait<0>();
     pkv::wgmma_pin<D / 2>(o);
@@ -82,20 +82,24 @@ __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const u
   }
 }
 
-uint16_t bf16_bits(float x) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+// The bits of x rounded to T (nearest even) and the value of such bits (host conversions of cuda_fp16.h /
+// cuda_bf16.h).
+template <typename T>
+uint16_t bits_of(float x) {
+  const T h = static_cast<T>(x);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
 }
-double bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+template <typename T>
+double value_of(uint16_t b) {
+  T h;
+  std::memcpy(&h, &b, 2);
+  return static_cast<float>(h);
 }
 
 // Relative errors (max |got - want| / max |want|) of S and O for one stride choice; false on a CUDA error.
-template <int D>
+template <int D, typename T>
 bool run(int swap_k, int swap_v, double *err_s, double *err_o) {
   std::vector<uint16_t> q(kRows * D), k(kRows * D), v(kRows * D), p(kRows * kRows);
   uint32_t seed = 12345u + D;
@@ -104,8 +108,8 @@ bool run(int swap_k, int swap_v, double *err_s, double *err_o) {
     return static_cast<float>(seed >> 8) / 16777216.0f * 2.0f - 1.0f;
   };
   for (auto *a : {&q, &k, &v})
-    for (auto &x : *a) x = bf16_bits(uniform());
-  for (auto &x : p) x = bf16_bits(0.5f + 0.5f * uniform());
+    for (auto &x : *a) x = bits_of<T>(uniform());
+  for (auto &x : p) x = bits_of<T>(0.5f + 0.5f * uniform());
   uint16_t *dq, *dk, *dv, *dp;
   float *ds, *dout;
   cudaMalloc(&dq, q.size() * 2), cudaMalloc(&dk, k.size() * 2), cudaMalloc(&dv, v.size() * 2);
@@ -115,8 +119,8 @@ bool run(int swap_k, int swap_v, double *err_s, double *err_o) {
   cudaMemcpy(dv, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dp, p.data(), p.size() * 2, cudaMemcpyHostToDevice);
   const int smem = 3 * kRows * pkv::tile_row_bytes(D, 2) + 1024;
-  cudaFuncSetAttribute(wgmma_tiles_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  wgmma_tiles_kernel<D><<<1, 128, smem>>>(dq, dk, dv, dp, ds, dout, swap_k, swap_v);
+  cudaFuncSetAttribute(wgmma_tiles_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  wgmma_tiles_kernel<D, T><<<1, 128, smem>>>(dq, dk, dv, dp, ds, dout, swap_k, swap_v);
   const cudaError_t e = cudaDeviceSynchronize();
   std::vector<float> s(kRows * kRows), o(kRows * D);
   cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost);
@@ -130,12 +134,12 @@ bool run(int swap_k, int swap_v, double *err_s, double *err_o) {
   for (int r = 0; r < kRows; r++) {
     for (int c = 0; c < kRows; c++) {
       double want = 0;
-      for (int d = 0; d < D; d++) want += bf16_value(q[r * D + d]) * bf16_value(k[c * D + d]);
+      for (int d = 0; d < D; d++) want += value_of<T>(q[r * D + d]) * value_of<T>(k[c * D + d]);
       ms = std::fmax(ms, std::fabs(want)), es = std::fmax(es, std::fabs(s[r * kRows + c] - want));
     }
     for (int c = 0; c < D; c++) {
       double want = 0;
-      for (int j = 0; j < kRows; j++) want += bf16_value(p[r * kRows + j]) * bf16_value(v[j * D + c]);
+      for (int j = 0; j < kRows; j++) want += value_of<T>(p[r * kRows + j]) * value_of<T>(v[j * D + c]);
       mo = std::fmax(mo, std::fabs(want)), eo = std::fmax(eo, std::fabs(o[r * D + c] - want));
     }
   }
@@ -144,14 +148,14 @@ bool run(int swap_k, int swap_v, double *err_s, double *err_o) {
   return true;
 }
 
-template <int D>
-bool check() {
+template <int D, typename T>
+bool check(const char *type) {
   bool ok = true;
   for (int swap = 0; swap < 2; swap++) {
     double es = 0, eo = 0;
-    if (!run<D>(swap, swap, &es, &eo)) return false;
+    if (!run<D, T>(swap, swap, &es, &eo)) return false;
     const bool good = es < 1e-3 && eo < 1e-3;
-    std::printf("D %3d, %s strides: S = Q K^T rel. error %.2e, O = P V rel. error %.2e%s\n", D,
+    std::printf("D %3d %s, %s strides: S = Q K^T rel. error %.2e, O = P V rel. error %.2e%s\n", D, type,
                 swap ? "swapped" : "kernel's", es, eo, swap ? "" : (good ? "  ok" : "  FAIL"));
     if (!swap) ok = good;
   }
@@ -166,7 +170,8 @@ int main() {
     std::printf("SKIP: needs a cc 9.x device (sm_90a)\n");
     return 0;
   }
-  const bool ok = check<64>() & check<128>();
+  const bool ok = check<64, __nv_bfloat16>("bf16") & check<128, __nv_bfloat16>("bf16") & check<64, __half>("fp16") &
+                  check<128, __half>("fp16");
   std::printf("%s\n", ok ? "wgmma tiles: passed" : "wgmma tiles: FAILED");
   return ok ? 0 : 1;
 }
