@@ -7,13 +7,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "pkv_cpu.h"
 #include "pkv_settings.h"
 #include "check.h"
 #include "test_util.h"
+#include "every_cap.h"
 
 typedef struct {
   const char *what;
@@ -122,22 +121,8 @@ static void check_case(const path_case *c) {
   free(kc), free(vc), free(ks), free(vs), free(q), free(out), free(table);
 }
 
-int main(void) {
-  static const char *caps[] = {"scalar", "avx2", "avx512", "amx"};
-  int failed = 0;
-  for (int x = 0; x < 4; x++) {
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-      setenv("PAGEDKV_CPU_ISA", caps[x], 1);
-      printf("  PAGEDKV_CPU_ISA=%s: table %s\n", caps[x], pkv_cpu_kernels_get()->name);
-      for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) check_case(&CASES[i]);
-      exit(check_report(caps[x]));
-    }
-    int status = 0;
-    CHECK(pid > 0 && waitpid(pid, &status, 0) == pid, "fork for %s", caps[x]);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed++;
-  }
-  CHECK(failed == 0, "%d of the 4 caps failed", failed);
-  return check_report("attention paths");
+static void check_all_cases(void) {
+  for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) check_case(&CASES[i]);
 }
+
+int main(void) { return check_on_every_cap(check_all_cases, "attention paths"); }
