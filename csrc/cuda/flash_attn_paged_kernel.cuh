@@ -365,40 +365,35 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       const uint32_t v_lane = swizzle_lane_base(smem_u32(vs), kcol0 + (m & 1) * 8 + (lane & 7), m >> 1);
       // S = Q K^T
       if constexpr (kWgmma) {
-        float *acc = &s[0][0][0];
-        wgmma_fence();
+        wgmma_product<NT * 8, T, 0>(&s[0][0][0], q_frag,
+                                     [&](int kk) { return wgmma_desc_k_major(smem_u32(ks), kk, BN); });
+      } else {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-          wgmma_rs<NT * 8, T, 0>(acc, q_frag[kk], wgmma_desc_k_major(smem_u32(ks), kk, BN), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin<NT * 4>(acc);
-      }
+        for (int kk = 0; kk < D / 16; kk++) {
+          uint32_t a[kMB][4];
 #pragma unroll
-      for (int kk = 0; kk < (kWgmma ? 0 : D / 16); kk++) {
-        uint32_t a[kMB][4];
+          for (int mb = 0; mb < kMB; mb++) ldmatrix_x4(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
 #pragma unroll
-        for (int mb = 0; mb < kMB; mb++) ldmatrix_x4(a[mb], swizzle_step(q_lane[mb], 2 * kk, BM));
+          for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t bf[4];
+            if (kFp8 && k_fragments) {
+              // the B operand's registers as ldmatrix would give them: key nt * 8 + lane / 4 (+ 8 for
+              // bf[2], bf[3]), channels kk * 16 + 2 * (lane % 4) and + 1 (+ 8 for bf[1], bf[3])
 #pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-          uint32_t bf[4];
-          if (kFp8 && k_fragments) {
-            // the B operand's registers as ldmatrix would give them: key nt * 8 + lane / 4 (+ 8 for
-            // bf[2], bf[3]), channels kk * 16 + 2 * (lane % 4) and + 1 (+ 8 for bf[1], bf[3])
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-              const int key = kcol0 + (nt + (x >> 1)) * 8 + (lane >> 2), col = kk * 16 + 2 * (lane & 3) + (x & 1) * 8;
-              const uint16_t two = *reinterpret_cast<const uint16_t *>(kt + tile_elem_offset<1>(key, col, BN));
-              const float2 f = p.e4m3 ? fp8x2_to_float2<true>(two) : fp8x2_to_float2<false>(two);
-              bf[x] = pack2<T>(f.x, f.y);
+              for (int x = 0; x < 4; x++) {
+                const int key = kcol0 + (nt + (x >> 1)) * 8 + (lane >> 2), col = kk * 16 + 2 * (lane & 3) + (x & 1) * 8;
+                const uint16_t two = *reinterpret_cast<const uint16_t *>(kt + tile_elem_offset<1>(key, col, BN));
+                const float2 f = p.e4m3 ? fp8x2_to_float2<true>(two) : fp8x2_to_float2<false>(two);
+                bf[x] = pack2<T>(f.x, f.y);
+              }
+            } else {
+              ldmatrix_x4(bf, swizzle_step(k_lane, 2 * kk, BN) + nt * 8 * 128);
             }
-          } else {
-            ldmatrix_x4(bf, swizzle_step(k_lane, 2 * kk, BN) + nt * 8 * 128);
-          }
 #pragma unroll
-          for (int mb = 0; mb < kMB; mb++) {
-            mma_16816<T>(s[mb][nt], a[mb], bf[0], bf[1]);
-            mma_16816<T>(s[mb][nt + 1], a[mb], bf[2], bf[3]);
+            for (int mb = 0; mb < kMB; mb++) {
+              mma_16816<T>(s[mb][nt], a[mb], bf[0], bf[1]);
+              mma_16816<T>(s[mb][nt + 1], a[mb], bf[2], bf[3]);
+            }
           }
         }
       }
@@ -489,25 +484,20 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
       }
       // O += P V
       if constexpr (kWgmma) {
-        float *acc = &o[0][0][0];
-        wgmma_fence();
+        wgmma_product<D, T, 1>(&o[0][0][0], pa[0],
+                                [&](int kk) { return wgmma_desc_mn_major(smem_u32(vs), kk, BN); });
+      } else {
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; kk++)
-          wgmma_rs<D, T, 1>(acc, pa[0][kk], wgmma_desc_mn_major(smem_u32(vs), kk, BN), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin<D / 2>(acc);
-      }
+        for (int kk = 0; kk < NT / 2; kk++) {
 #pragma unroll
-      for (int kk = 0; kk < (kWgmma ? 0 : NT / 2); kk++) {
+          for (int dt = 0; dt < D / 8; dt += 2) {
+            uint32_t bf[4];
+            ldmatrix_x4_trans(bf, swizzle_step(v_lane, dt, BN) + kk * 16 * 128);
 #pragma unroll
-        for (int dt = 0; dt < D / 8; dt += 2) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, swizzle_step(v_lane, dt, BN) + kk * 16 * 128);
-#pragma unroll
-          for (int mb = 0; mb < kMB; mb++) {
-            mma_16816<T>(o[mb][dt], pa[mb][kk], bf[0], bf[1]);
-            mma_16816<T>(o[mb][dt + 1], pa[mb][kk], bf[2], bf[3]);
+            for (int mb = 0; mb < kMB; mb++) {
+              mma_16816<T>(o[mb][dt], pa[mb][kk], bf[0], bf[1]);
+              mma_16816<T>(o[mb][dt + 1], pa[mb][kk], bf[2], bf[3]);
+            }
           }
         }
       }

@@ -142,4 +142,16 @@ __device__ __forceinline__ void wgmma_rs(float *d, const uint32_t (&a)[4], uint6
 #undef PKV_WGMMA_ACC64
 #undef PKV_WGMMA_ACC32
 
+// acc[N / 2] += A B over kSteps k-steps of 16: step kk's A fragment a[kk] and B descriptor desc_of(kk),
+// issued as one group and waited for (the accumulators are ready when this returns).
+template <int N, typename T, int kTransB, int kSteps, typename DescOf>
+__device__ __forceinline__ void wgmma_product(float *acc, const uint32_t (&a)[kSteps][4], DescOf desc_of) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; kk++) wgmma_rs<N, T, kTransB>(acc, a[kk], desc_of(kk), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_pin<N / 2>(acc);
+}
+
 }  // namespace pkv

@@ -47,13 +47,8 @@ __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const u
     const uint32_t q_lane = pkv::swizzle_lane_base(pkv::smem_u32(sq), warp * 16 + (m & 1) * 8 + (lane & 7), m >> 1);
     for (int kk = 0; kk < D / 16; kk++) pkv::ldmatrix_x4(qf[kk], pkv::swizzle_step(q_lane, 2 * kk, kRows));
     float s[kRows / 2] = {};
-    pkv::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
-      pkv::wgmma_rs<kRows, T, 0>(s, qf[kk], swapped(pkv::wgmma_desc_k_major(pkv::smem_u32(sk), kk, kRows), swap_k), 1);
-    pkv::wgmma_commit();
-    pkv::wgmma_wait<0>();
-    pkv::wgmma_pin<kRows / 2>(s);
+    pkv::wgmma_product<kRows, T, 0>(
+        s, qf, [&](int kk) { return swapped(pkv::wgmma_desc_k_major(pkv::smem_u32(sk), kk, kRows), swap_k); });
     for (int i = 0; i < kRows / 2; i++) {  // accumulator i: n8 block i / 4, row g (+ 8), column 2t (+ 1)
       const int nt = i / 4, e = i % 4;
       s_out[(warp * 16 + g + 8 * (e >> 1)) * kRows + nt * 8 + 2 * t + (e & 1)] = s[i];
@@ -66,13 +61,8 @@ __global__ void wgmma_tiles_kernel(const uint16_t *q, const uint16_t *k, const u
         const int r = warp * 16 + g + 8 * (x & 1), c = kk * 16 + 2 * t + 8 * (x >> 1);
         pf[kk][x] = static_cast<uint32_t>(p[r * kRows + c]) | static_cast<uint32_t>(p[r * kRows + c + 1]) << 16;
       }
-    pkv::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; kk++)
-      pkv::wgmma_rs<D, T, 1>(o, pf[kk], swapped(pkv::wgmma_desc_mn_major(pkv::smem_u32(sv), kk, kRows), swap_v), 1);
-    pkv::wgmma_commit();
-    pkv::wgmma_wait<0>();
-    pkv::wgmma_pin<D / 2>(o);
+    pkv::wgmma_product<D, T, 1>(
+        o, pf, [&](int kk) { return swapped(pkv::wgmma_desc_mn_major(pkv::smem_u32(sv), kk, kRows), swap_v); });
     for (int i = 0; i < D / 2; i++) {
       const int dt = i / 4, e = i % 4;
       o_out[(warp * 16 + g + 8 * (e >> 1)) * D + dt * 8 + 2 * t + (e & 1)] = o[i];
