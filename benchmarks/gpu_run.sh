@@ -119,9 +119,9 @@ fi
 if want test; then
   # device programs first (seconds each): tests/cuda_device/test_*.cu, built for the device's arch against
   # csrc/cuda's headers (e.g. the warpgroup MMAs on the attention kernel's tiles, with a diagnosis on failure)
+  arch=$(device_arch)
   for t in tests/cuda_device/test_*.cu; do
     exe="/tmp/$(basename "$t" .cu)"
-    arch=$(device_arch)
     if nvcc -std=c++17 -O3 -gencode="arch=compute_$arch,code=sm_$arch" -Icsrc/cuda "$t" -o "$exe" >>"$OUT/gpu_run.log" 2>&1; then
       "$exe" 2>&1 | tee -a "$OUT/gpu_run.log"
       log "$(basename "$t"): exit code ${PIPESTATUS[0]}"
