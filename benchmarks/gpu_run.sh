@@ -202,9 +202,13 @@ if want memcheck; then
   if command -v compute-sanitizer >/dev/null; then
     # GPU_MEMCHECK_TESTS (pytest paths) replaces the list, e.g. "tests" for the whole suite's CUDA cases in
     # a call of its own with GPU_T_MEMCHECK near the device tool's 10 minutes
+    # cases benchmarks/results/memcheck_ledger.json holds clean at this tree's sources are skipped
+    # (GPU_MEMCHECK_LEDGER=0 runs them too); after the call, `memcheck_ledger.py record` adds this run's
     # shellcheck disable=SC2086
-    timeout "${GPU_T_MEMCHECK:-120}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      $PY -m pytest -v -p no:cacheprovider -k "cuda and not graph" ${GPU_MEMCHECK_TESTS:-$MEMCHECK_TESTS} >"$OUT/memcheck.txt" 2>&1
+    PYTHONPATH="$ROOT/benchmarks:$PYTHONPATH" timeout "${GPU_T_MEMCHECK:-120}" \
+      compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      $PY -m pytest -v -p no:cacheprovider $([ "${GPU_MEMCHECK_LEDGER:-1}" = 1 ] && echo "-p memcheck_ledger") \
+      -k "cuda and not graph" ${GPU_MEMCHECK_TESTS:-$MEMCHECK_TESTS} >"$OUT/memcheck.txt" 2>&1
     log "memcheck exit code $? (124: stopped at its limit); $(grep -c 'Invalid' "$OUT/memcheck.txt") invalid accesses;" \
       "$(grep -c PASSED "$OUT/memcheck.txt") cases passed under it, $(grep -c FAILED "$OUT/memcheck.txt") failed"
     grep -m 10 -B2 -A8 "Invalid\|ERROR SUMMARY" "$OUT/memcheck.txt" | head -60
