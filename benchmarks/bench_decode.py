@@ -240,7 +240,7 @@ def decode_calls(B, L, args):
         calls[name] = (lambda k8, ks, v8, vs: lambda: pagedkv.flash_attn_paged(
             q, offsets, k8, v8, lengths, table, k_scales=ks, v_scales=vs, quant_group=args.quant_group))(k8, ks, v8, vs)
     # the default path even where the shape's rounds ended on a --baseline-path call (which sets the switch)
-    return {name: with_decode_path("default", call) for name, call in calls.items()}
+    return {name: with_decode_path("auto", call) for name, call in calls.items()}
 
 
 def warm_rates(args):

@@ -1,5 +1,6 @@
 """The CPU benchmark harness's own rules (benchmarks/common.py): interleaved timing, the --cold
-read before every timed call, result file names. The figures themselves are not tested here."""
+read before every timed call, result file names, the probes, bench_decode's warm-speed calls. The figures
+themselves are not tested here."""
 
 from __future__ import annotations
 
@@ -163,3 +164,25 @@ def test_pool_probe_builds_and_reports_every_mode(tmp_path, probe, needs, argv, 
     assert all(float(v) > 0 for _, v in rows), out
     bad = subprocess.run([str(exe), "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_issue26_warm_calls_run_on_the_default_decode_path(head_major):
+    # bench_decode --issue26 bounds each row by these calls' warm speed; each sets cpu_decode="auto" first
+    import argparse
+
+    bench_decode = pytest.importorskip("bench_decode")
+    import pagedkv
+
+    args = argparse.Namespace(seed=0, head_major=head_major, quant_group=128)
+    before = pagedkv.kernel_options()["cpu_decode"]
+    try:
+        pagedkv.set_kernel_options(cpu_decode="fma")
+        outs = {name: call() for name, call in bench_decode.decode_calls(2, 16, args).items()}
+        assert pagedkv.kernel_options()["cpu_decode"] == "auto"
+    finally:
+        pagedkv.set_kernel_options(cpu_decode=before)
+    assert set(outs) == {"bf16", "e4m3", "e5m2"}
+    for name, out in outs.items():
+        assert torch.isfinite(out.float()).all(), name
+        assert (out.float() - outs["bf16"].float()).abs().max().item() < 0.25, name
