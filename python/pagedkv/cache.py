@@ -359,14 +359,42 @@ class _PagedCacheBase:
 
 
 class _BlockCache(_PagedCacheBase):
-    """A cache held in one `blocks` tensor (and, for FP8, one `scales` tensor of the same leading shape)."""
+    """A cache held in one `blocks` tensor (and, for FP8, one `scales` tensor of the same leading shape).
+
+    The constructor is PagedKVCacheCollection's and PagedKVCacheFA3Fallback's; a subclass gives its
+    layout as the blocks' leading dims (`_lead_dims`) and its per-layer views.
+    """
 
     blocks: torch.Tensor
     scales: torch.Tensor | None
 
-    def _init_blocks(self, lead, device) -> None:
+    def __init__(
+        self,
+        num_pages,
+        num_layers,
+        page_size,
+        num_kv_heads,
+        head_dim,
+        *,
+        dtype=torch.bfloat16,
+        device="cpu",
+        k_only=False,
+        quant_group=128,
+        per_tensor_scales=False,
+    ):
+        self.num_pages = _check_positive_int("num_pages", num_pages)
+        self.page_size = _check_positive_int("page_size", page_size)
+        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
+        self._init_blocks(device)
+
+    def _lead_dims(self) -> tuple[int, ...]:
+        """The blocks' dims before D."""
+        raise NotImplementedError
+
+    def _init_blocks(self, device) -> None:
         """`blocks` [*lead, D] and, for FP8, float32 `scales` [*lead, groups] (ones) on `device`, or the
-        per-tensor `tensor_scales`."""
+        per-tensor `tensor_scales`; lead is the layout's `_lead_dims()`."""
+        lead = self._lead_dims()
         device = _check_device(device)
         self.blocks = host_alloc.zeros((*lead, self.head_dim), dtype=self.dtype, device=device)
         self.scales = None
@@ -382,6 +410,9 @@ class _BlockCache(_PagedCacheBase):
 class _LayerMajorBlocks(_BlockCache):
     """Blocks `[pages, 2|1, L, page_size, Hk, D]`: layer l's K view is `blocks[:, 0, l]`
     (PagedKVCacheCollection, and ContinuousBatchingKVCache with a slot per page)."""
+
+    def _lead_dims(self):
+        return (self.num_pages, self.num_kv, self.num_layers, self.page_size, self.num_kv_heads)
 
     def k_cache(self, layer):
         return self.blocks[:, 0, self._check_layer(layer)]
@@ -404,25 +435,6 @@ class PagedKVCacheCollection(_LayerMajorBlocks):
     Layer l's K view is `blocks[:, 0, l]` `[N, P, Hk, D]` with page stride `2*L*P*Hk*D`.
     """
 
-    def __init__(
-        self,
-        num_pages,
-        num_layers,
-        page_size,
-        num_kv_heads,
-        head_dim,
-        *,
-        dtype=torch.bfloat16,
-        device="cpu",
-        k_only=False,
-        quant_group=128,
-        per_tensor_scales=False,
-    ):
-        self.num_pages = _check_positive_int("num_pages", num_pages)
-        self.page_size = _check_positive_int("page_size", page_size)
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
-        self._init_blocks((num_pages, self.num_kv, num_layers, page_size, num_kv_heads), device)
-
 
 class PagedKVCacheFA3Fallback(_BlockCache):
     """One page pool shared by all layers: blocks `[2|1, N, P, Hk, D]`.
@@ -431,24 +443,8 @@ class PagedKVCacheFA3Fallback(_BlockCache):
     or the stacked tables `[L, B, max_pages]` (then `table[layer]` is used).
     """
 
-    def __init__(
-        self,
-        num_pages,
-        num_layers,
-        page_size,
-        num_kv_heads,
-        head_dim,
-        *,
-        dtype=torch.bfloat16,
-        device="cpu",
-        k_only=False,
-        quant_group=128,
-        per_tensor_scales=False,
-    ):
-        self.num_pages = _check_positive_int("num_pages", num_pages)
-        self.page_size = _check_positive_int("page_size", page_size)
-        self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
-        self._init_blocks((self.num_kv, num_pages, page_size, num_kv_heads), device)
+    def _lead_dims(self):
+        return (self.num_kv, self.num_pages, self.page_size, self.num_kv_heads)
 
     def _table(self, layer, lookup_table):
         if not isinstance(lookup_table, torch.Tensor):
@@ -570,7 +566,7 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
         self.max_seq_len = _check_positive_int("max_seq_len", max_seq_len)
         self.num_pages, self.page_size = self.num_slots, self.max_seq_len
         self._init_geometry(num_layers, num_kv_heads, head_dim, dtype, k_only, quant_group, per_tensor_scales)
-        self._init_blocks((num_slots, self.num_kv, num_layers, max_seq_len, num_kv_heads), device)
+        self._init_blocks(device)
 
     def lookup_table(self, slots) -> torch.Tensor:
         """int32 [B, 1] table for rows living in `slots` (a sequence of ints or a 1-D tensor)."""
