@@ -73,10 +73,7 @@ def run_case(c, args):
 def main():
     p = common.base_parser(__doc__)
     args = p.parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     rows = [run_case(make_case(32, 4096, 256, gen), args)]
     if not args.quick:
         rows.append(run_case(make_case(32, 4096, 256, gen, fp8=True), args))
@@ -92,8 +89,8 @@ def main():
     if args.no_write:
         return
     stem = args.out or common.result_stem("cascade", args.quick, args.cold)
-    common.write_results(stem, "pagedkv CPU shared-prefix decode (cascade)", __doc__.split("\n\n")[0] + "\n\n" +
-                         common.__doc__, env, ceiling, rows, cols, targets)
+    common.write_results(stem, "pagedkv CPU shared-prefix decode (cascade)", common.method(__doc__), env, ceiling,
+                         rows, cols, targets)
 
 
 if __name__ == "__main__":

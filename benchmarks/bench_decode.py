@@ -333,9 +333,9 @@ def issue26_main(args):
     ceiling = {"gbps": rows[0]["ceiling_gbps"], "mib": rows[0]["kv_MB"] * 1e6 / 2**20,
                "note": "native read ceiling of the first row; every row has its own (ceiling_gbps)"}
     issue_method = "--issue26 (" + __doc__.split("--issue26 (", 1)[1].split("\n\n")[0]
-    method = __doc__.split("\n\n")[0] + "\n\n" + issue_method + "\n\n" + common.__doc__
-    common.write_results(stem, "pagedkv CPU decode at the memory limit (issue 26)", method, env, ceiling, rows, cols,
-                         targets, ceiling_line=ISSUE26_CEILING_LINE)
+    common.write_results(stem, "pagedkv CPU decode at the memory limit (issue 26)",
+                         common.method(__doc__, issue_method), env, ceiling, rows, cols, targets,
+                         ceiling_line=ISSUE26_CEILING_LINE)
 
 
 def main():
@@ -354,12 +354,10 @@ def main():
     p.add_argument("--head-major", action="store_true",
                    help="with --issue26: the caches in head-major pages (storage [N, Hk, P, D]) instead of token-major")
     args = p.parse_args()
-    common.setup(args)
     if args.issue26:
+        common.setup(args)
         return issue26_main(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, threads {torch.get_num_threads()}, ISA {env['pagedkv_cpu_isa']}")
 
     rows = [run_case(make_case(4, 4096, 32, 8, 128, 16, gen), args, label="CPU row: B=4 L=4k 32/8 D=128 P=16")]
@@ -434,8 +432,8 @@ def main():
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
-    common.write_results(stem, "pagedkv CPU decode", __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling,
-                         rows + sweep, cols + ["vs_page16"], targets, plot)
+    common.write_results(stem, "pagedkv CPU decode", common.method(__doc__), env, ceiling, rows + sweep,
+                         cols + ["vs_page16"], targets, plot)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,8 @@ def main():
     if args.no_write:
         return
     common.write_results(args.out or common.result_stem("hf_generate", args.quick, args.cold),
-                         "pagedkv in transformers generate (CPU)", __doc__.split("\n\n")[0] + "\n\n" +
-                         __doc__.split("\n\n")[1] + "\n\n" + common.__doc__, env, ceiling, rows, cols)
+                         "pagedkv in transformers generate (CPU)", common.method(__doc__, __doc__.split("\n\n")[1]),
+                         env, ceiling, rows, cols)
 
 
 if __name__ == "__main__":

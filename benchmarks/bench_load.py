@@ -65,10 +65,7 @@ def run_case(T, P, dtype, gen, args, identity=False, B=8, Hk=8, D=128):
 
 def main():
     args = common.base_parser(__doc__).parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, threads {torch.get_num_threads()}, ISA {env['pagedkv_cpu_isa']}")
     rows = [run_case(32 * 1024, 16, dt, gen, args) for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     if not args.quick:
@@ -88,7 +85,7 @@ def main():
         return
 
     common.write_results(args.out or common.result_stem("load", args.quick, args.cold), "pagedkv CPU paged_load",
-                         __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets,
+                         common.method(__doc__), env, ceiling, rows, cols, targets,
                          common.bandwidth_plot(rows, ceiling, env, "paged_load"))
 
 

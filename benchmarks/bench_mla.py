@@ -98,10 +98,7 @@ def run_case(c: dict, args, gemm: float) -> dict:
 def main():
     p = common.base_parser(__doc__)
     args = p.parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     gemm = gemm_gflops(args.reps)
     print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, bf16 GEMM {gemm:.0f} GFLOP/s, threads {torch.get_num_threads()}, "
           f"ISA {env['pagedkv_cpu_isa']}", flush=True)
@@ -123,8 +120,8 @@ def main():
     if args.no_write:
         return
     stem = args.out or common.result_stem("mla", args.quick, args.cold)
-    common.write_results(stem, "pagedkv CPU MLA decode", __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env,
-                         ceiling, [{k: v for k, v in r.items()} for r in rows], cols, targets)
+    common.write_results(stem, "pagedkv CPU MLA decode", common.method(__doc__), env, ceiling,
+                         [{k: v for k, v in r.items()} for r in rows], cols, targets)
 
 
 if __name__ == "__main__":

@@ -63,10 +63,7 @@ def run_case(L, Hq, Hk, D, P, gen, args):
 
 def main():
     args = common.base_parser(__doc__).parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, threads {torch.get_num_threads()}, ISA {env['pagedkv_cpu_isa']}")
     rows = [run_case(2048, 32, 8, 128, 16, gen, args)]
     if not args.quick:
@@ -102,7 +99,7 @@ def main():
         fig.savefig(path, dpi=110)
 
     common.write_results(args.out or common.result_stem("prefill", args.quick, args.cold), "pagedkv CPU causal prefill",
-                         __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets, plot)
+                         common.method(__doc__), env, ceiling, rows, cols, targets, plot)
 
 
 if __name__ == "__main__":

@@ -101,10 +101,7 @@ def run_case(c, args):
 def main():
     p = common.base_parser(__doc__)
     args = p.parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     cases = [make_case(1, 65536, 2048, gen)]
     if not args.quick:
         cases += [make_case(4, 65536, 2048, gen), make_case(1, 65536, 512, gen)]
@@ -122,8 +119,7 @@ def main():
     if args.no_write:
         return
     stem = args.out or common.result_stem("sparse", args.quick, args.cold)
-    common.write_results(stem, "pagedkv CPU sparse top-k decode", __doc__.split("\n\n")[0] + "\n\n" + common.__doc__,
-                         env, ceiling, rows, cols)
+    common.write_results(stem, "pagedkv CPU sparse top-k decode", common.method(__doc__), env, ceiling, rows, cols)
 
 
 if __name__ == "__main__":

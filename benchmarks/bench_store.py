@@ -90,10 +90,7 @@ def run_case(T, dtype, gen, args, B=8, Hk=8, D=128, P=16, prefix=64):
 
 def main():
     args = common.base_parser(__doc__).parse_args()
-    common.setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    env = common.environment()
-    ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
+    gen, env, ceiling = common.start(args)
     print(f"copy ceiling {ceiling['gbps']:.2f} GB/s, threads {torch.get_num_threads()}, ISA {env['pagedkv_cpu_isa']}")
     sizes = [32 * 1024] if args.quick else [4 * 1024, 32 * 1024, 128 * 1024]
     rows = [run_case(T, dt, gen, args) for T in sizes for dt in (torch.bfloat16, torch.float8_e4m3fn)]
@@ -112,7 +109,7 @@ def main():
         return
 
     common.write_results(args.out or common.result_stem("store", args.quick, args.cold), "pagedkv CPU paged_store",
-                         __doc__.split("\n\n")[0] + "\n\n" + common.__doc__, env, ceiling, rows, cols, targets,
+                         common.method(__doc__), env, ceiling, rows, cols, targets,
                          common.bandwidth_plot(rows, ceiling, env, "paged_store"))
 
 

@@ -98,6 +98,15 @@ def setup(args) -> None:
     _cold_buffer = torch.zeros(cold_buffer_bytes() // 4, dtype=torch.float32) if args.cold else None
 
 
+def start(args) -> tuple:
+    """setup(args), then what a script's cases start from: `(gen, env, ceiling)`, the cases' generator
+    seeded with --seed, the environment and the copy ceiling before the cases (finish_ceiling
+    measures it again after them)."""
+    setup(args)
+    gen = torch.Generator().manual_seed(args.seed)
+    return gen, environment(), copy_ceiling(args.ceiling_mib, args.reps)
+
+
 # ---------------------------------------------------------------- timing
 
 
@@ -348,6 +357,12 @@ def bandwidth_plot(rows: List[dict], ceiling: dict, env: dict, op: str) -> Calla
         fig.savefig(path, dpi=110)
 
     return plot
+
+
+def method(doc: str, *paragraphs: str) -> str:
+    """A result file's method: the script docstring's first paragraph, `paragraphs`, then the method
+    every script shares (this module's docstring)."""
+    return "\n\n".join([doc.split("\n\n")[0], *paragraphs, __doc__])
 
 
 def write_results(stem: str, title: str, method: str, env: dict, ceiling: dict, rows: List[dict], columns: List[str],
