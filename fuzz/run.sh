@@ -70,15 +70,9 @@ summary=()
 # shellcheck source=../scripts/isa_flags.sh
 source "$root/scripts/isa_flags.sh"
 mkdir -p "$out/core"
-core_objects=()
-while read -r source; do
-  object="$out/core/$(basename "$source" .c).o"
-  # shellcheck disable=SC2046  # the ISA variants' flags are a word list
-  "$cc" "${flags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
-  core_objects+=("$object")
-done < <(c_sources)
+compile_library "$out/core" "$cc" "${flags[@]}"
 for target in "${targets[@]}"; do
-  "$cc" "${flags[@]}" "$root/fuzz/$target.c" "${core_objects[@]}" -lm -o "$out/$target"
+  "$cc" "${flags[@]}" "$root/fuzz/$target.c" "${library_objects[@]}" -lm -o "$out/$target"
   corpus="$root/fuzz/corpus/$target"
   work="$out/work/$target"
   mkdir -p "$corpus" "$work"

@@ -25,13 +25,7 @@ mkdir -p "$bin/core"
 rm -f "$bin"/core/*.o
 
 # The C library is compiled once and linked into every test.
-objects=()
-while read -r source; do
-  object="$bin/core/$(basename "$source" .c).o"
-  # shellcheck disable=SC2046  # the ISA variants' flags are a word list
-  "$cc" "${cflags[@]}" $(isa_flags "$source") -c "$source" -o "$object"
-  objects+=("$object")
-done < <(c_sources)
+compile_library "$bin/core" "$cc" "${cflags[@]}"
 
 tests=()
 if [ "$#" -gt 0 ]; then
@@ -48,7 +42,7 @@ passed=0
 failed=()
 for source in "${tests[@]}"; do
   name="$(basename "$source" .c)"
-  "$cc" "${cflags[@]}" "$source" "${objects[@]}" -o "$bin/$name" -lm
+  "$cc" "${cflags[@]}" "$source" "${library_objects[@]}" -o "$bin/$name" -lm
   echo "== $name"
   if "$bin/$name"; then
     passed=$((passed + 1))
