@@ -31,6 +31,11 @@ int64_t pkv_sparse_cpu_work(const pkv_sparse_args *a);
 pkv_status pkv_sparse_cpu(const pkv_sparse_args *a, const pkv_sparse_plan *plan, int64_t begin, int64_t end,
                           pkv_error *err);
 
+/* vLLM's CPU cache writer's FP8 values (vllm_cpu_fp8.c) of elements [begin, end) of x (f32, bf16 or f16,
+ * contiguous) with its per-tensor scale (finite, > 0), as bfloat16 into out (which holds each exactly). */
+void pkv_vllm_cpu_fp8_values(const void *x, pkv_dtype x_dtype, float scale, pkv_dtype fp8_dtype, uint16_t *out,
+                             int64_t begin, int64_t end);
+
 int64_t pkv_merge_cpu_work(const pkv_merge_args *a); /* token rows */
 void pkv_merge_cpu(const pkv_merge_args *a, int64_t begin, int64_t end);
 

@@ -49,6 +49,9 @@ TORCH_LIBRARY(pagedkv, m) {
       "Tensor? sinks=None, str? kv_format=None) -> Tensor");
   // The page manager's copy-on-write block copy (copy_pages.cpp; CPU and CUDA).
   m.def("copy_pages(Tensor(a!) pool, Tensor src_pages, Tensor dst_pages) -> ()");
+  // The FP8 values vLLM's CPU cache writer stores (vllm_cpu_fp8.cpp; CPU only): a helper of pagedkv's
+  // vLLM backend, not part of the contract.
+  m.def("_vllm_cpu_fp8_values(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor");
   // The shared-memory image of one K tile as a CUDA loader writes it (ops_cuda.cpp; CUDA only).
   m.def(
       "debug_load_tile(Tensor cache, Tensor lookup_table, Tensor seq_lens, int batch, int kv_head, "

@@ -333,6 +333,11 @@ def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_len
     return None
 
 
+@torch.library.register_fake("pagedkv::_vllm_cpu_fp8_values")
+def _vllm_cpu_fp8_values_fake(x, scale, fp8_dtype):
+    return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+
+
 @torch.library.register_fake("pagedkv::paged_load")
 def _paged_load_fake(cache, scales, lookup_table, seq_lens, output_row_offsets, out, quant_group=128,
                      kv_format=None):

@@ -40,39 +40,6 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Per FP8 format: the float32 bits a code keeps when truncating toward zero (3 or 2 of the 23 mantissa bits),
-# and below the format's normal range (smallest normal value), the spacing of its subnormal codes.
-FP8_TRUNCATION_MASK = {torch.float8_e4m3fn: ~((1 << 20) - 1), torch.float8_e5m2: ~((1 << 21) - 1)}
-FP8_SUBNORMALS = {torch.float8_e4m3fn: (2.0**-6, 2.0**-9), torch.float8_e5m2: (2.0**-14, 2.0**-16)}
-# vLLM's CPU writer takes e4m3 codes off v * 2^-120 as a float32: below e4m3's normal range that is a float32
-# subnormal, which rounds v to nearest on this grid before the code truncates it
-E4M3_SUBNORMAL_GRID = 2.0**-29
-
-
-def fp8_as_vllm_cpu(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """The values of the codes vLLM's CPU cache writer stores for ``x`` (float32, same shape; each value is
-    exactly an FP8 code of ``fp8_dtype``).
-
-    vLLM's CPU build (``cpu_attn_reshape_and_cache``) multiplies by the float32 reciprocal of the scale,
-    saturates to the format's largest finite value (NaN to +max), gives an exact zero +0, and rounds toward
-    zero, where its CUDA writer and ``paged_store`` round to nearest even.
-    """
-    limit = torch.finfo(fp8_dtype).max
-    smallest_normal, spacing = FP8_SUBNORMALS[fp8_dtype]
-    value = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(1.0 / scale)
-    value.nan_to_num_(nan=limit).clamp_(-limit, limit).add_(0.0)  # adding +0 turns an exact -0 into +0
-    # the few values below the normal range go to the subnormal grid apart (half the passes over the whole tensor)
-    flat = value.view(-1)
-    subnormal = torch.nonzero(flat.abs() < smallest_normal).squeeze(1)
-    below = flat[subnormal]
-    if fp8_dtype == torch.float8_e4m3fn:
-        below = torch.round(below * (1.0 / E4M3_SUBNORMAL_GRID)).mul_(E4M3_SUBNORMAL_GRID)
-    below = torch.trunc(below * (1.0 / spacing)).mul_(spacing)
-    value.view(torch.int32).bitwise_and_(FP8_TRUNCATION_MASK[fp8_dtype])
-    flat[subnormal] = below
-    return value
-
-
 class PagedKVAttentionBackend(AttentionBackend):
     # forward() stores this step's K/V itself (paged_store), then attends.
     forward_includes_kv_cache_update: bool = True
@@ -254,11 +221,13 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
             # 16-bit caches; FP8 off CPU: fp8(clamp(x / s)) rounded to nearest even, as vLLM's CUDA writer does
             paged_store(key, value, k_cache, v_cache, *rows, k_scale, v_scale)
             return
-        # vLLM's CPU writer rounds toward zero (fp8_as_vllm_cpu). paged_store with a scale of one stores values
-        # that already are codes unchanged, so the cache holds the codes vLLM's own CPU backend would hold.
+        # vLLM's CPU writer rounds toward zero (csrc/cpu/vllm_cpu_fp8.c has its rule). paged_store with a scale
+        # of one stores values that already are codes unchanged, so the cache holds the codes vLLM's own CPU
+        # backend would hold.
         one = torch.ones((), dtype=torch.float32, device=k_cache.device)
-        paged_store(fp8_as_vllm_cpu(key, k_scale, self.fp8_dtype), fp8_as_vllm_cpu(value, v_scale, self.fp8_dtype),
-                    k_cache, v_cache, *rows, one, one)
+        codes = torch.ops.pagedkv._vllm_cpu_fp8_values
+        paged_store(codes(key, k_scale, self.fp8_dtype), codes(value, v_scale, self.fp8_dtype), k_cache, v_cache,
+                    *rows, one, one)
 
     def fp8_scales(self, layer: AttentionLayer) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The layer's per-tensor k_scale / v_scale (one float32 element each) for an FP8 cache, else None."""
