@@ -439,7 +439,7 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
   named_tensor written[4] = {{&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}};
-  named_tensor read[7] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
+  named_tensor read[8] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
                           {&a->input_row_offsets, "input_row_offsets"}, {&a->key, "key"}, {&a->value, "value"}};
   int num_written = 2, num_read = 5;
   /* a per-tensor scale is only read (K and V may share one) */
@@ -449,6 +449,14 @@ pkv_status pkv_store_check(const pkv_store_args *a, int check_values, pkv_error 
     else written[num_written++] = scales[i];
   }
   TRY(need_no_aliasing(written, num_written, read, num_read, "pass separate K and V caches (and scales)", op, err));
+  if (a->packed_cache.defined) {
+    /* a part of a packed call: the other part writes the rest of each row (the latent and scales, or
+     * the rope) and reads the rest of the key, so this part's reads and the whole key must stay off
+     * the whole rows too (a key whose rope lay in the latent bytes was overwritten before it was read) */
+    const named_tensor rows = {&a->packed_cache, "k_cache"};
+    read[num_read++] = (named_tensor){&a->packed_key, "key"};
+    TRY(need_no_aliasing(&rows, 1, read, num_read, "", op, err));
+  }
   if (!check_values) return PKV_OK;
 
   TRY(check_scale_value(&a->k_scales, op, "k_scales", err));
@@ -488,10 +496,18 @@ pkv_status pkv_load_check(const pkv_load_args *a, int check_values, pkv_error *e
   TRY(check_index_tensors(&a->output_row_offsets, "output_row_offsets", &a->seq_lens, "seq_lens", &a->lookup_table,
                           device, "cache", op, err));
   const named_tensor written[] = {{&a->out, "out"}};
-  const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->seq_lens, "seq_lens"},
-                               {&a->output_row_offsets, "output_row_offsets"}, {&a->cache, "cache"},
-                               {&a->scales, "scales"}};
+  named_tensor read[6] = {{&a->lookup_table, "lookup_table"}, {&a->seq_lens, "seq_lens"},
+                          {&a->output_row_offsets, "output_row_offsets"}, {&a->cache, "cache"},
+                          {&a->scales, "scales"}};
   TRY(need_no_aliasing(written, 1, read, 5, "", op, err));
+  if (a->packed_out.defined) {
+    /* a part of a packed call writes some channels of out, the other part the rest, and reads the
+     * rest of each row: the whole out must stay off this part's reads and the whole rows (out's rope
+     * channels in a row's latent bytes were written into the cache) */
+    const named_tensor whole_out = {&a->packed_out, "out"};
+    read[5] = (named_tensor){&a->packed_cache, "cache"};
+    TRY(need_no_aliasing(&whole_out, 1, read, 6, "", op, err));
+  }
   if (!check_values) return PKV_OK;
 
   TRY(check_scale_value(&a->scales, op, "scales", err));
@@ -597,6 +613,16 @@ static pkv_status check_attention_operands(const char *op, const pkv_tensor *q, 
   return PKV_OK;
 }
 
+/* The bytes of k_cache the keys are read from: with a K tail (packed MLA rows: the bf16 rope
+ * tail_offset bytes into each row), each row widened to its tail's end, so that out and lse are kept
+ * off the rope too and not only off the values before it. */
+static pkv_tensor keys_with_tail(const pkv_tensor *k_cache, int64_t tail_dim, int64_t tail_offset) {
+  pkv_tensor keys = *k_cache;
+  int64_t elem = (int64_t)pkv_dtype_size(k_cache->dtype), end = tail_offset + 2 * tail_dim;
+  if (tail_dim > 0 && end > keys.sizes[3] * elem) keys.sizes[3] = (end + elem - 1) / elem;
+  return keys;
+}
+
 pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *err) {
   const char *op = "flash_attn_paged";
   TRY(check_attention_operands(op, &a->q, &a->k_cache, &a->v_cache, &a->k_scales, &a->v_scales, &a->sinks, &a->out,
@@ -608,10 +634,11 @@ pkv_status pkv_attn_check(const pkv_attn_args *a, int check_values, pkv_error *e
   if (a->lse.defined) TRY(check_lse(&a->lse, a->q.sizes[0], a->q.sizes[1], device, op, "lse", "k_cache", 1, err));
   TRY(check_index_tensors(&a->input_row_offsets, "input_row_offsets", &a->cache_lengths, "cache_lengths",
                           &a->lookup_table, device, "k_cache", op, err));
+  const pkv_tensor keys = keys_with_tail(&a->k_cache, a->k_tail_dim, a->k_tail_offset);
   const named_tensor written[] = {{&a->out, "out"}, {&a->lse, "lse"}};
   const named_tensor read[] = {{&a->lookup_table, "lookup_table"}, {&a->cache_lengths, "cache_lengths"},
                                {&a->input_row_offsets, "input_row_offsets"}, {&a->q, "q"},
-                               {&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"}, {&a->k_scales, "k_scales"},
+                               {&keys, "k_cache"}, {&a->v_cache, "v_cache"}, {&a->k_scales, "k_scales"},
                                {&a->v_scales, "v_scales"}, {&a->sinks, "sinks"}};
   TRY(need_no_aliasing(written, 2, read, 9, "out and lse must be separate memory", op, err));
   if (!check_values) return PKV_OK;
@@ -712,8 +739,9 @@ pkv_status pkv_sparse_check(const pkv_sparse_args *a, int check_values, pkv_erro
   if (ix->sizes[1] != hk && ix->sizes[1] != 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: indices.size(1) must be %lld (Hk: one list per KV head) or 1 (one "
                     "list shared by all heads), got %lld", op, (long long)hk, (long long)ix->sizes[1]);
+  const pkv_tensor keys = keys_with_tail(&a->k_cache, a->k_tail_dim, a->k_tail_offset);
   const named_tensor written[] = {{&a->out, "out"}};
-  const named_tensor read[] = {{ix, "indices"}, {&a->q, "q"}, {&a->k_cache, "k_cache"}, {&a->v_cache, "v_cache"},
+  const named_tensor read[] = {{ix, "indices"}, {&a->q, "q"}, {&keys, "k_cache"}, {&a->v_cache, "v_cache"},
                                {&a->k_scales, "k_scales"}, {&a->v_scales, "v_scales"}, {&a->sinks, "sinks"}};
   TRY(need_no_aliasing(written, 1, read, 7, "", op, err));
   if (!check_values) return PKV_OK;

@@ -178,6 +178,8 @@ pkv_status pkv_store_unpack(const pkv_store_args *a, pkv_store_args parts[2], in
   parts[0].k_scales = scales;
   parts[0].quant_group = group;
   parts[0].kv_format = PKV_KV_PLAIN;
+  parts[0].packed_key = a->key;
+  parts[0].packed_cache = a->k_cache;
   parts[1] = parts[0];
   parts[1].key = channels(&a->key, PKV_MLA_LATENT_DIM, PKV_MLA_ROPE_DIM);
   parts[1].k_cache = rope;
@@ -207,6 +209,8 @@ pkv_status pkv_load_unpack(const pkv_load_args *a, pkv_load_args parts[2], int *
   parts[0].quant_group = group;
   parts[0].out = channels(&a->out, 0, PKV_MLA_LATENT_DIM);
   parts[0].kv_format = PKV_KV_PLAIN;
+  parts[0].packed_out = a->out;
+  parts[0].packed_cache = a->cache;
   parts[1] = parts[0];
   parts[1].cache = rope;
   parts[1].scales = (pkv_tensor){0};

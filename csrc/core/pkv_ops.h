@@ -30,6 +30,10 @@ typedef struct {
   pkv_tensor v_scales;          /* the same for v_cache (Dv) */
   int64_t quant_group;
   pkv_kv_format kv_format;      /* packed formats: pkv_store_unpack gives the plain calls */
+  /* Parts of a packed call only (undefined otherwise): the caller's whole key and packed k_cache.
+   * A part reads some channels of the key and writes some bytes of each row, the other part the
+   * rest, so each part's check also keeps its reads and the whole key off the whole rows. */
+  pkv_tensor packed_key, packed_cache;
 } pkv_store_args;
 
 typedef struct {
@@ -42,6 +46,9 @@ typedef struct {
   pkv_tensor out;                /* [T_out, Hk, D] f32/f16/bf16 */
   int64_t quant_group;
   pkv_kv_format kv_format;       /* packed formats: pkv_load_unpack gives the plain calls */
+  /* Parts of a packed call only (undefined otherwise): the caller's whole out and packed cache, as
+   * pkv_store_args' packed_key and packed_cache (each part writes some channels of out). */
+  pkv_tensor packed_out, packed_cache;
 } pkv_load_args;
 
 typedef struct {

@@ -135,3 +135,94 @@ def test_paged_load_out_must_not_alias_an_input(device_cpu, dtype, target):
 @pytest.fixture
 def device_cpu():
     return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed MLA rows (kv_format): a packed store or load runs as two plain calls (latent with its scales,
+# then rope), each checked on its own channels and bytes, and attention reads the rope as a tail past
+# the latent view. Each check must still cover the whole rows and the whole key / out: a key whose rope
+# channels lay in a row's latent bytes was overwritten by the latent store before the rope was read, and
+# paged_load or attention wrote an out lying over rope or latent bytes into the cache.
+
+PACKED_ROWS = {"fp8_ds_mla": (656, 528), "fp8_rope": (640, 512)}  # row bytes, rope offset
+PACKED_PAGES, PACKED_PAGE_SIZE = 2, 2
+
+
+def _packed_pool(kv_format, before=0, after=0):
+    """A float32 buffer holding `before` bytes, a packed cache [2, 2, 1, row] of stored rows, then `after`
+    bytes; returns (buffer, cache, per-tensor scale or None, offsets, lengths, table) for one row of 3 tokens."""
+    row, _ = PACKED_ROWS[kv_format]
+    size = PACKED_PAGES * PACKED_PAGE_SIZE * row
+    buffer = torch.zeros((before + size + after) // 4, dtype=torch.float32)
+    cache = buffer.view(torch.uint8)[before : before + size].view(PACKED_PAGES, PACKED_PAGE_SIZE, 1, row)
+    scale = torch.tensor([0.02]) if kv_format == "fp8_rope" else None
+    offsets, lengths = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    key = randn(generator(seed_from("packed alias", kv_format)), (3, 1, 576), torch.float32, "cpu")
+    pagedkv.paged_store(key, None, cache, None, offsets, lengths, table, scale, kv_format=kv_format)
+    return buffer, cache, scale, offsets, lengths, table
+
+
+def _refused(call, fragment, *tensors):
+    """call() raises a RuntimeError containing `fragment`, every byte of `tensors` unchanged."""
+    before = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=fragment):
+        call()
+    for tensor, old in zip(tensors, before):
+        assert torch.equal(tensor.view(torch.uint8), old.view(torch.uint8)), "a refused call wrote memory"
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("kv_format", list(PACKED_ROWS))
+def test_packed_store_refuses_a_key_over_any_byte_of_the_rows(kv_format):
+    # the key (float32 rows of 2304 bytes) ends with its last token's rope channels over page 0's first
+    # latent bytes, which the store writes (table [1, 0]: the row's token 2 is page 0's slot 0)
+    buffer, cache, scale, offsets, lengths, table = _packed_pool(kv_format, before=2 * 2304 + 2048)
+    key = buffer[:3 * 576].view(3, 1, 576)
+    key.normal_()
+    _refused(lambda: pagedkv.paged_store(key, None, cache, None, offsets, lengths, table, scale,
+                                         kv_format=kv_format), "paged_store: key overlaps k_cache", buffer)
+
+
+def test_packed_store_refuses_a_per_tensor_scale_in_the_rope_bytes():
+    buffer, cache, _, offsets, lengths, table = _packed_pool("fp8_rope")
+    scale = cache[0, 0, 0, 512:516].view(torch.float32)  # page 0's slot 0 is written
+    scale.fill_(0.02)
+    key = randn(generator(5), (3, 1, 576), torch.float32, "cpu")
+    _refused(lambda: pagedkv.paged_store(key, None, cache, None, offsets, lengths, table, scale,
+                                         kv_format="fp8_rope"), "paged_store: k_scales overlaps k_cache", buffer)
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("kv_format", list(PACKED_ROWS))
+def test_packed_load_refuses_an_out_over_any_byte_of_the_rows(kv_format):
+    # out ends with its last row's rope channels over page 0's first latent bytes
+    buffer, cache, scale, offsets, _, table = _packed_pool(kv_format, before=2 * 2304 + 2048)
+    out = buffer[:3 * 576].view(3, 1, 576)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    _refused(lambda: torch.ops.pagedkv.paged_load(cache, scale, table, seq_lens, offsets, out, 128, kv_format),
+             "paged_load: cache overlaps out", buffer)
+
+
+def test_packed_load_refuses_a_per_tensor_scale_under_the_rope_channels_of_out():
+    buffer, cache, _, offsets, _, table = _packed_pool("fp8_rope", after=3 * 2304)
+    out = buffer[-3 * 576:].view(3, 1, 576)
+    scale = out[2, 0, 540:541]  # a rope channel of out's last row
+    scale.fill_(0.02)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    _refused(lambda: torch.ops.pagedkv.paged_load(cache, scale, table, seq_lens, offsets, out, 128, "fp8_rope"),
+             "paged_load: scales overlaps out", buffer)
+
+
+@pytest.mark.per_isa
+@pytest.mark.parametrize("kv_format", list(PACKED_ROWS))
+def test_packed_attention_out_must_not_alias_the_rope(kv_format):
+    # out starts in the rope bytes of the pool's last row (page 1, slot 1: token 1 of the row)
+    row, rope = PACKED_ROWS[kv_format]
+    buffer, cache, scale, offsets, lengths, table = _packed_pool(kv_format, after=3 * 16 * 512 * 4)
+    start = (cache.numel() - row + rope) // 4
+    out = buffer[start : start + 3 * 16 * 512].view(3, 16, 512)
+    q = randn(generator(6), (3, 16, 576), torch.float32, "cpu")
+    _refused(lambda: pagedkv.flash_attn_paged(q, offsets, cache, None, lengths, table, k_scales=scale,
+                                              kv_format=kv_format, out=out), "flash_attn_paged: k_cache overlaps out",
+             buffer)
