@@ -64,6 +64,28 @@ def test_manual_chunked_prefill_with_padding_matches_sdpa(saved_models, family, 
     assert error < LOGITS_RTOL[torch.float32]
 
 
+def test_reset_cache_serves_a_new_batch_with_other_padding(saved_models):
+    """One PagedCache reset between forwards over batches of other padding, the bool mask given in one
+    reused buffer (so at one address): each forward's logits equal sdpa's. The step memo shared by the
+    layers of a forward was keyed on positions and the mask's address and outlived reset(): the second
+    batch was stored and attended with the first one's rows (logits off by ~100%)."""
+    path = saved_models["llama"]
+    sdpa, model = load(path, "sdpa"), load(path, "pagedkv")
+    cache = phf.PagedCache(model, page_size=4)
+    buffer = torch.zeros((2, 7), dtype=torch.bool)
+    for lengths, seed in [([7, 3], 1), ([3, 7], 2)]:
+        ids, mask = left_padded(lengths, seed)
+        buffer.copy_(mask)
+        with torch.inference_mode():
+            expected = sdpa(input_ids=ids, attention_mask=mask).logits
+            got = model(input_ids=ids, attention_mask=buffer, use_cache=True,
+                        **{phf._cache_argument(model): cache}).logits
+        keep = mask.bool()
+        error = (got[keep] - expected[keep]).norm() / expected[keep].norm()
+        assert error < LOGITS_RTOL[torch.float32], f"{lengths}: relative logits error {error:.2e}"
+        cache.reset()
+
+
 # ---- logits bounds ------------------------------------------------------------------------------
 
 

@@ -202,6 +202,10 @@ def _make_layer_class(CacheLayerMixin):
 
         def reset(self) -> None:
             self.seen, self.lengths, self.gathers = 0, None, False
+            # The owner's step memo (_batch_step) is keyed on positions and the mask's address: after a
+            # reset the next forward starts at position 0 again, and a mask at the same address (a
+            # reused buffer, or the allocator's) with other padding would take the old step's rows.
+            self.owner._step_key = self.owner._step = None
 
         def _refuse(self, what: str):
             raise NotImplementedError(
