@@ -138,6 +138,14 @@ def test_continuous_views_and_lookup_table():
     assert cache.lookup_table(torch.tensor([2])).shape == (1, 1)
     with pytest.raises(ValueError, match="slots"):
         cache.lookup_table([1, 5])
+    # slots are checked as given: the int32 conversion wrapped 2^32 + 1 to slot 1, truncated 1.7 to 1
+    # and took True as 1, silently another row's slot
+    with pytest.raises(ValueError, match=r"slots\[0\] must be in \[0, 5\), got 4294967297"):
+        cache.lookup_table(torch.tensor([2**32 + 1]))
+    for bad in (torch.tensor([1.7]), torch.tensor([True]), [1.7], [True]):
+        with pytest.raises(TypeError, match="slots"):
+            cache.lookup_table(bad)
+    assert cache.lookup_table(torch.tensor([[4], [1]], dtype=torch.int64)).tolist() == [[4], [1]]
 
 
 # ---------------------------------------------------------------------------------------------

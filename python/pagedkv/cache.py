@@ -20,6 +20,8 @@ holds DeepSeek MLA keys in the packed rows of a `kv_format` (CONTRACT v1.2, page
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import host_alloc
@@ -570,12 +572,24 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
 
     def lookup_table(self, slots) -> torch.Tensor:
         """int32 [B, 1] table for rows living in `slots` (a sequence of ints or a 1-D tensor)."""
-        table = torch.as_tensor(slots, dtype=torch.int32).reshape(-1, 1)
-        values = table.reshape(-1).tolist()
-        for b, slot in enumerate(values):
+        # Validated as given, before the int32 conversion, which would wrap an int64 slot of 2^32 + 1 to
+        # 1, truncate 1.7 to 1 and take True as 1: silently another row's slot.
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+                raise TypeError(f"slots must hold integers, got a {slots.dtype} tensor")
+            slots = slots.reshape(-1).tolist()
+        values = []
+        for b, slot in enumerate(slots):
+            if isinstance(slot, bool):
+                raise TypeError(f"slots[{b}] must be an int, got bool")
+            try:
+                slot = operator.index(slot)
+            except TypeError:
+                raise TypeError(f"slots[{b}] must be an int, got {type(slot).__name__}") from None
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slots[{b}] must be in [0, {self.num_slots}), got {slot}")
-        return table.to(self.device)
+            values.append(slot)
+        return torch.tensor(values, dtype=torch.int32).reshape(-1, 1).to(self.device)
 
 
 class PagedMLACache(PagedKVCache):
