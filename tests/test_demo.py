@@ -152,3 +152,37 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
         if not isinstance(expected, list):
             expected = expected["input_ids"]
         assert ours.encode_chat(messages) == expected
+
+
+def tiny_server(num_pages, page_size=4):
+    """A ContinuousBatchingServer over the seeded random tiny Llama (no transformers needed)."""
+    from pagedkv.llama import LlamaPagedModel, make_kv_cache
+    from pagedkv.serving import ContinuousBatchingServer, page_manager_for
+
+    loaded = gguf_model.random_tiny_llama(0)
+    kv_cache = make_kv_cache(loaded.config, num_pages, page_size)
+    model = LlamaPagedModel.from_state_dict(loaded.config, loaded.state_dict, kv_cache=kv_cache)
+    return ContinuousBatchingServer(model, page_manager_for(kv_cache), [], torch.device("cpu"))
+
+
+def test_server_refuses_requests_it_cannot_serve_at_submit():
+    from pagedkv.serving import Request
+
+    server = tiny_server(num_pages=1)
+    # empty prompt: step() raised after add_sequence had taken the id (and again at every later step)
+    with pytest.raises(ValueError, match="request 0: prompt is empty"):
+        server.submit(Request(0, 0, "", [], 3))
+    # max_new_tokens 0 generated one token; with a 5-token prompt on one 4-token page the request was
+    # accepted (max_total_tokens 4) and never admitted: step() looped forever
+    with pytest.raises(ValueError, match="request 1: max_new_tokens must be an int >= 1, got 0"):
+        server.submit(Request(1, 0, "", [5, 6, 7, 8, 9], 0))
+    server.submit(Request(2, 0, "", [5, 6], 2))
+    # a live id: add_sequence failed in the middle of a step
+    with pytest.raises(ValueError, match="request_id 2 is already submitted"):
+        server.submit(Request(2, 1, "", [5, 6], 2))
+    assert not server.waiting and [r.request_id for r in server.pending] == [2]
+    while server.has_work():
+        server.step()
+    assert [len(r.generated) for r in server.finished] == [2]
+    assert server.page_manager.num_sequences == 0 and server.page_manager.used_pages == 0
+    server.submit(Request(2, server.step_index, "", [5, 6], 1))  # a finished request's id may be reused

@@ -153,6 +153,20 @@ class ContinuousBatchingServer:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        # Refused here, before step() hands the request to the page manager: an empty prompt has no token
+        # to compute the first logits from (step() raised after add_sequence had taken the id, and every
+        # later step raised again); max_new_tokens 0 still generated one token, and its max_total_tokens
+        # (prompt - 1) undercounts the prefill, so a prompt one page larger than the pool was accepted and
+        # never admitted (step() looped forever); a second request with a live id failed add_sequence in
+        # the middle of a step.
+        if not request.prompt:
+            raise ValueError(f"request {request.request_id}: prompt is empty; a request needs at least one token")
+        if isinstance(request.max_new_tokens, bool) or not isinstance(request.max_new_tokens, int) \
+                or request.max_new_tokens < 1:
+            raise ValueError(f"request {request.request_id}: max_new_tokens must be an int >= 1, "
+                             f"got {request.max_new_tokens!r}")
+        if any(r.request_id == request.request_id for r in (*self.pending, *self.waiting, *self.running)):
+            raise ValueError(f"request_id {request.request_id} is already submitted and not finished")
         if self._pages_for(request.max_total_tokens) > self.page_manager.num_pages:
             raise ValueError(
                 f"request {request.request_id} needs up to {request.max_total_tokens} tokens "
