@@ -186,3 +186,18 @@ def test_server_refuses_requests_it_cannot_serve_at_submit():
     assert [len(r.generated) for r in server.finished] == [2]
     assert server.page_manager.num_sequences == 0 and server.page_manager.used_pages == 0
     server.submit(Request(2, server.step_index, "", [5, 6], 1))  # a finished request's id may be reused
+
+
+def test_server_and_demo_refuse_counts_that_admit_nothing():
+    from pagedkv.serving import ContinuousBatchingServer
+
+    server = tiny_server(num_pages=4)
+    # max_running 0 admitted no request: step() ran forever
+    with pytest.raises(ValueError, match="max_running must be an int >= 1, got 0"):
+        ContinuousBatchingServer(server.model, server.page_manager, [], torch.device("cpu"), max_running=0)
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--max-running", "0"])
+    # --num-requests 0 ran every default prompt, -1 all but the last
+    for count in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--num-requests", count])

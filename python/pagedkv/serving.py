@@ -135,6 +135,9 @@ class ContinuousBatchingServer:
         max_running: int = 16,
         record_logits: bool = False,
     ):
+        # With no running slot nothing is ever admitted: step() would run forever.
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
         self.model = model
         self.page_manager = page_manager
         self.stop_token_ids = {int(t) for t in stop_token_ids}

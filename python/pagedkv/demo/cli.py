@@ -127,8 +127,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if args.page_size < 1 or args.max_new_tokens < 1:
-        parser.error("--page-size and --max-new-tokens must be >= 1")
+    if args.page_size < 1 or args.max_new_tokens < 1 or args.max_running < 1:
+        parser.error("--page-size, --max-new-tokens and --max-running must be >= 1")
+    # 0 used to select every prompt (a falsy count) and -k all but the last k
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch has no CUDA device here")
     return args
