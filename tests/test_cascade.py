@@ -107,6 +107,27 @@ def test_cascade_more_queries_than_prefix_tokens(device):
     assert_attention_close(got, expected, torch.float32, "cascade chunks", q16_on_cuda=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cascade_empty_steps_equal_flash_attn_paged(device):
+    """No query rows (T = 0), and no batch row (B = 0, the query rows all padding): torch.cat of no
+    prefix chunks raised "expected a non-empty list of Tensors", and B = 0 had no row 0 to take the
+    shared pages from. Both now give flash_attn_paged's empty or all-zero result."""
+    gen = generator(5)
+    kv, batch, table = shared_prefix_batch(gen, device, shared_pages=2, own=[1, 3], new=[0, 0])
+    common = dict(k_scales=kv.k_scales, v_scales=kv.v_scales, quant_group=16)
+    index = lambda *values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    for rows, q_rows, offsets, lengths, lookup in [
+        ("T=0", 0, batch.input_row_offsets, batch.cache_lengths, table),
+        ("B=0", 0, index(0), index(), table[:0]),
+        ("B=0, 3 padding rows", 3, index(0), index(), table[:0]),
+    ]:
+        q = ragged_inputs(gen, q_rows, 4, 32, torch.float32, device)
+        got = supported_or_skip(device, pagedkv.cascade_attention, q, offsets, kv.k_cache, kv.v_cache, lengths,
+                                lookup, 2, **common)
+        assert got.shape == (q_rows, 4, 32) and got.dtype == q.dtype, rows
+        assert (got == 0).all(), rows
+
+
 def test_cascade_rejects_rows_that_do_not_share_the_prefix():
     gen = generator(3)
     kv, batch, table = shared_prefix_batch(gen, "cpu", shared_pages=2, own=[1, 2], new=[1, 1])

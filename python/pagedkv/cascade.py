@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .ops import checks_enabled, flash_attn_paged_lse, merge_attn_states
+from .ops import checks_enabled, flash_attn_paged, flash_attn_paged_lse, merge_attn_states
 
 __all__ = ["cascade_attention"]
 
@@ -84,6 +84,12 @@ def cascade_attention(
 
     attn = dict(scale=scale, k_scales=k_scales, v_scales=v_scales, quant_group=quant_group, softcap=softcap,
                 kv_format=kv_format)
+    if q.size(0) == 0 or lookup_table.size(0) == 0:
+        # No query, or no row (every query row is padding): nothing attends the prefix, and the prefix
+        # part below would have no chunk to concatenate (T = 0) or no row 0 to take the pages from (B = 0).
+        # The plain op gives the empty or all-zero result and checks the arguments.
+        return flash_attn_paged(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table,
+                                causal=causal, sinks=sinks, **attn)
     # 1. the prefix: all query rows as one row that sees every prefix key. A row holds at most
     #    prefix_len queries (its cache length prefix_len - n must not be negative), hence the chunks.
     prefix_table = lookup_table[:1, :shared_pages]
