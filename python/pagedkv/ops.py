@@ -335,6 +335,8 @@ def _paged_store_fake(key, value, k_cache, v_cache, input_row_offsets, cache_len
 
 @torch.library.register_fake("pagedkv::_vllm_cpu_fp8_values")
 def _vllm_cpu_fp8_values_fake(x, scale, fp8_dtype):
+    # a meta scale with a CPU x lands here: without the check the caller got uninitialised CPU memory
+    _same_device("_vllm_cpu_fp8_values", "x", x, scale=scale)
     return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
 
 

@@ -63,6 +63,11 @@ def copy_pages(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Ten
 
 @torch.library.register_fake("pagedkv::copy_pages")
 def _copy_pages_fake(pool, src_pages, dst_pages):
+    # A call mixing meta and real tensors dispatches here (Meta outranks CPU): check devices like the core,
+    # or a copy with meta index lists silently copies nothing.
+    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+        if pages.device != pool.device:
+            raise RuntimeError(f"copy_pages: {name} must be on the same device as pool ({pool.device}), got {pages.device}")
     return None
 
 

@@ -64,6 +64,17 @@ def test_copy_pages_empty_and_zero_dim():
         copy_pages(torch.tensor(1.0), _pages([0]), _pages([1]))
 
 
+def test_copy_pages_refuses_meta_index_lists():
+    pool = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3)
+    before = pool.clone()
+    # meta index lists sent the call to the fake kernel, which returned without copying anything
+    with pytest.raises(RuntimeError, match=r"copy_pages: src_pages must be on the same device as pool \(cpu\), got meta"):
+        copy_pages(pool, _pages([0], "meta"), _pages([1], "meta"))
+    with pytest.raises(RuntimeError, match=r"copy_pages: dst_pages must be on the same device as pool \(cpu\), got meta"):
+        copy_pages(pool, _pages([0]), _pages([1], "meta"))
+    assert torch.equal(pool, before)
+
+
 def test_copy_pages_opcheck_and_compile():
     pool = torch.randn(6, 2, 3)
     src, dst = _pages([1, 3]), _pages([0, 5])

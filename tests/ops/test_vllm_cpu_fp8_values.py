@@ -127,6 +127,8 @@ def test_paged_store_with_scale_one_stores_the_codes(fp8_dtype):
     (dict(scale=torch.tensor(float("nan"))), "scale must be finite and > 0"),
     (dict(scale=torch.tensor(float("inf"))), "scale must be finite and > 0"),
     (dict(fp8_dtype=torch.bfloat16), "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
+    # a meta scale sent the call to the fake kernel, which returned uninitialised memory
+    (dict(scale=torch.ones((), device="meta")), r"scale must be on the same device as x \(cpu\), got meta"),
 ])
 def test_bad_arguments_are_named(bad, message):
     args = dict(x=torch.zeros(4), scale=torch.ones(()), fp8_dtype=torch.float8_e4m3fn) | bad
