@@ -64,7 +64,7 @@ static pkv_status need_unit_last_stride(const pkv_tensor *t, const char *op, con
 
 /* A written tensor must not map two indices to one element through a zero stride. */
 static pkv_status need_no_broadcast(const pkv_tensor *t, const char *op, const char *name, pkv_error *err) {
-  for (int d = 0; d < t->ndim; d++)
+  for (int d = 0; d < t->ndim && d < PKV_MAX_DIMS; d++) /* copy_pages' pool may have more dims than recorded */
     if (t->sizes[d] > 1 && t->strides[d] == 0)
       return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: %s must not be a broadcast view (stride 0 on dim %d)", op, name,
                       d);
@@ -667,6 +667,9 @@ pkv_status pkv_copy_pages_check(const pkv_copy_pages_args *a, int check_values, 
   const char *op = "copy_pages";
   if (a->pool.ndim < 1)
     return pkv_fail(err, PKV_ERR_ARGUMENT, "%s: pool must have a page dim 0 ([N, ...]), got a 0-D tensor", op);
+  /* a copy writes pool: a broadcast pool would fail in the copy itself, with torch's message that names no
+   * argument (dims past PKV_MAX_DIMS are not recorded; those are left to that message) */
+  TRY(need_no_broadcast(&a->pool, op, "pool", err));
   const pkv_tensor *lists[2] = {&a->src_pages, &a->dst_pages};
   const char *names[2] = {"src_pages", "dst_pages"};
   for (int i = 0; i < 2; i++) {

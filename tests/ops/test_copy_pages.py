@@ -75,6 +75,16 @@ def test_copy_pages_refuses_meta_index_lists():
     assert torch.equal(pool, before)
 
 
+def test_copy_pages_refuses_broadcast_pools_by_name():
+    # a broadcast pool failed inside torch's copy, whose message names no argument
+    with pytest.raises(RuntimeError, match=r"copy_pages: pool must not be a broadcast view \(stride 0 on dim 0\)"):
+        copy_pages(torch.zeros(1, 3).expand(4, 3), _pages([0]), _pages([1]))
+    # more dims than a descriptor records still copy
+    pool = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 1, 1, 1, 1, 1, 3)
+    copy_pages(pool, _pages([0]), _pages([1]))
+    assert torch.equal(pool[1], pool[0])
+
+
 def test_copy_pages_opcheck_and_compile():
     pool = torch.randn(6, 2, 3)
     src, dst = _pages([1, 3]), _pages([0, 5])
