@@ -662,3 +662,47 @@ def test_failed_copy_on_write_reserve_changes_nothing(spoil):
         cache.requires_grad_(False)
         manager.reserve(2, 1)
         assert manager.shared_pages == 0 and torch.equal(cache[manager.pages(2)[0]], cache[manager.pages(1)[0]])
+
+
+# ---------------------------------------------------------------------------------------------
+# page_manager_for: every cache class's pages, whatever dim its storage puts them in
+# ---------------------------------------------------------------------------------------------
+
+
+def _cache_objects(num_pages, page_size):
+    from pagedkv import cache as kvc
+
+    geometry = dict(num_kv_heads=2, head_dim=16)
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        yield kvc.PagedKVCacheCollection(num_pages, 2, page_size, dtype=dtype, **geometry)
+        # blocks [2, N, ...]: with N = 2 the K/V dim has the page count, which the manager alone cannot tell
+        yield kvc.PagedKVCacheFA3Fallback(num_pages, 2, page_size, dtype=dtype, **geometry)
+        yield kvc.PagedKVCache(num_pages, page_size, dtype=dtype, num_layers=2, **geometry)
+    yield kvc.PagedMLACache(num_pages, page_size, num_layers=2)
+
+
+@pytest.mark.parametrize("num_pages, page_size", [(2, 2), (6, 4)])
+def test_page_manager_for_copies_each_page_of_every_cache_class(num_pages, page_size):
+    from pagedkv.serving import page_manager_for
+
+    for kv_cache in _cache_objects(num_pages, page_size):
+        name = type(kv_cache).__name__
+        tensors = kv_cache.page_tensors()
+        for i, t in enumerate(tensors):  # every byte of page p of tensor i holds i * 16 + p + 1
+            assert t.size(0) == num_pages, name
+            for p in range(num_pages):
+                t[p].view(torch.uint8).fill_(i * 16 + p + 1)
+        before = [t.clone() for t in tensors]
+        manager = page_manager_for(kv_cache)
+        manager.add_sequence(1)
+        manager.reserve(1, page_size - 1)  # one page, partly full
+        (src,) = manager.pages(1)
+        manager.commit(1, page_size - 1)
+        manager.fork(1, 2)
+        manager.reserve(2, 1)  # writes into the shared page: a private copy
+        (dst,) = manager.pages(2)
+        assert dst != src, name
+        for i, (t, old) in enumerate(zip(tensors, before)):
+            expected = old.clone()
+            expected[dst] = old[src]
+            assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), f"{name} tensor {i}"

@@ -416,6 +416,10 @@ class _LayerMajorBlocks(_BlockCache):
     def _lead_dims(self):
         return (self.num_pages, self.num_kv, self.num_layers, self.page_size, self.num_kv_heads)
 
+    def page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the pages, page dim first (a page manager's copy-on-write copies)."""
+        return (self.blocks,) + (() if self.scales is None else (self.scales,))
+
     def k_cache(self, layer):
         return self.blocks[:, 0, self._check_layer(layer)]
 
@@ -447,6 +451,11 @@ class PagedKVCacheFA3Fallback(_BlockCache):
 
     def _lead_dims(self):
         return (self.num_kv, self.num_pages, self.page_size, self.num_kv_heads)
+
+    def page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the pages, page dim first: the K and V planes of blocks (and scales), whose
+        dim 0 is K/V, not the page."""
+        return tuple(self.blocks) + (() if self.scales is None else tuple(self.scales))
 
     def _table(self, layer, lookup_table):
         if not isinstance(lookup_table, torch.Tensor):
@@ -524,6 +533,11 @@ class PagedKVCache(_PagedCacheBase):
     @property
     def device(self) -> torch.device:
         return self.k_pools[0].device
+
+    def page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the pages, page dim first: every layer's pools and scale pools."""
+        pools = (self.k_pools, self.v_pools, self.k_scale_pools, self.v_scale_pools)
+        return tuple(t for group in pools if group is not None for t in group)
 
     def k_cache(self, layer=0):
         return self.k_pools[self._check_layer(layer)]

@@ -117,9 +117,9 @@ class ProgressBar:
 
 
 def page_manager_for(kv_cache) -> PageManager:
-    """A page manager over a collection's pages; copy-on-write copies apply to blocks and scales."""
-    caches = [kv_cache.blocks] + ([kv_cache.scales] if getattr(kv_cache, "scales", None) is not None else [])
-    return PageManager(kv_cache.num_pages, kv_cache.page_size, caches=caches)
+    """A page manager over a cache object's pages (pagedkv.cache); copy-on-write copies apply to every
+    tensor holding them (`page_tensors()`: blocks or pools, and their scales)."""
+    return PageManager(kv_cache.num_pages, kv_cache.page_size, caches=kv_cache.page_tensors())
 
 
 class ContinuousBatchingServer:
