@@ -74,6 +74,11 @@ def test_random_model_demo_matches_transformers(tmp_path, page_size):
         assert check.max_relative_error <= demo.CHECK_RELATIVE_TOLERANCE
 
 
+def test_pool_smaller_than_a_request_is_a_usage_error():
+    with pytest.raises(SystemExit, match=r"--num-pages 1 is less than the \d+ pages request \d+ needs at full length"):
+        run(["--random-model", "--num-requests", "2", "--max-new-tokens", "8", "--num-pages", "1"])
+
+
 @needs_transformers
 def test_random_model_fp8_reports_agreement(capsys):
     result = run(

@@ -212,6 +212,13 @@ def _run_demo(args: argparse.Namespace, loaded: gguf_model.LoadedModel | None) -
             f"so the pool runs out and requests get preempted"
         )
 
+    if max(pages_each) > num_pages:  # a usage error, not a traceback from the server's submit()
+        longest = max(range(len(requests)), key=lambda i: pages_each[i])
+        raise SystemExit(
+            f"python -m pagedkv.demo: error: --num-pages {num_pages} is less than the {pages_each[longest]} pages "
+            f"request {longest} needs at full length ({requests[longest].max_total_tokens} tokens, "
+            f"{page_size} per page)"
+        )
     kv_cache = make_kv_cache(config, num_pages, page_size, args.kv_dtype, device)
     model.kv_cache = kv_cache
     page_manager = page_manager_for(kv_cache)
