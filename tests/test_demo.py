@@ -116,6 +116,66 @@ def test_unpermute_inverts_the_gguf_rotary_permutation():
     assert torch.equal(gguf_model.unpermute_rotary_rows(gguf_rows, heads), hf)
 
 
+
+def _write_tiny_gguf(path, skip_key=None):
+    """A 1-layer llama GGUF (hidden 8, 2 heads, vocab 4) written with gguf's writer; skip_key:
+    a metadata key left out."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    keys = {"llama.embedding_length": lambda: writer.add_embedding_length(8),
+            "llama.block_count": lambda: writer.add_block_count(1),
+            "llama.feed_forward_length": lambda: writer.add_feed_forward_length(16),
+            "llama.attention.head_count": lambda: writer.add_head_count(2)}
+    for key, add in keys.items():
+        if key != skip_key:
+            add()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", "c"])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(3)
+    shapes = {"token_embd.weight": (4, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
+              "blk.0.ffn_norm.weight": (8,), "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (8, 8),
+              "blk.0.attn_v.weight": (8, 8), "blk.0.attn_output.weight": (8, 8), "blk.0.ffn_gate.weight": (16, 8),
+              "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="needs the gguf package")
+@pytest.mark.parametrize("keep", ["empty", 10, 24, 200, "half", "all but 8"])
+def test_truncated_gguf_is_a_value_error_naming_the_file(tmp_path, keep):
+    """A GGUF cut short failed inside gguf's reader with numpy's errors ("cannot reshape array of size
+    2724 into shape (48,96)", "index 0 is out of bounds for axis 0 with size 0", "cannot mmap an empty
+    file"), naming neither the file nor that it is truncated."""
+    whole = tmp_path / "whole.gguf"
+    _write_tiny_gguf(whole)
+    data = whole.read_bytes()
+    cut = {"empty": 0, "half": len(data) // 2, "all but 8": len(data) - 8}.get(keep, keep)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=rf"short\.gguf: not a readable GGUF file \(truncated or corrupt, {cut} bytes\)"):
+        gguf_model.load_gguf(str(short))
+    assert gguf_model.load_gguf(str(whole)).config.num_hidden_layers == 1  # the whole file loads
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="needs the gguf package")
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+                                 "llama.attention.head_count"])
+def test_gguf_without_a_required_key_names_it(tmp_path, key):
+    """A GGUF without one of the keys the model needs raised TypeError: int() argument must be ...
+    not 'NoneType', naming no key."""
+    path = tmp_path / "model.gguf"
+    _write_tiny_gguf(path, skip_key=key)
+    with pytest.raises(ValueError, match=rf"model\.gguf: GGUF metadata key '{key}' is missing"):
+        gguf_model.load_gguf(str(path))
+
+
 @needs_smollm2
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' own GGUF loader needs accelerate")
 def test_weights_match_transformers_gguf_loader(smollm2):

@@ -139,6 +139,16 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _required_field(reader, key: str):
+    """A metadata field the model cannot be built without: a ValueError naming the key when absent
+    (int(None) would raise a TypeError that names nothing)."""
+    value = _field(reader, key)
+    if value is None:
+        path = getattr(getattr(reader, "data", None), "filename", None) or "the GGUF file"
+        raise ValueError(f"{path}: GGUF metadata key {key!r} is missing; the model cannot be built without it")
+    return value
+
+
 def _tensor_to_torch(tensor) -> torch.Tensor:
     """One GGUF tensor as a float32 torch tensor in torch's ``[out, in]`` order."""
     import gguf
@@ -171,11 +181,11 @@ def read_gguf_config(reader) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
     tensor_names = {t.name for t in reader.tensors}
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_required_field(reader, "llama.embedding_length"))
+    heads = int(_required_field(reader, "llama.attention.head_count"))
     vocab = _field(reader, "llama.vocab_size")
     if vocab is None:
-        vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+        vocab = len(_required_field(reader, "tokenizer.ggml.tokens"))
     head_dim = _field(reader, "llama.attention.key_length") or _field(reader, "llama.rope.dimension_count")
     head_dim = int(head_dim) if head_dim else hidden // heads
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -183,8 +193,8 @@ def read_gguf_config(reader) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(_required_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_required_field(reader, "llama.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -277,9 +287,9 @@ class GGUFTokenizer(ChatTokenizer):
         model_kind = _field(reader, "tokenizer.ggml.model")
         if model_kind != "gpt2":
             raise ValueError(f"only gpt2-style BPE GGUF tokenizers are supported, got {model_kind!r}")
-        tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+        tokens: list[str] = list(_required_field(reader, "tokenizer.ggml.tokens"))
         token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in _required_field(reader, "tokenizer.ggml.merges")]
         vocab = {token: index for index, token in enumerate(tokens)}
 
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
@@ -304,7 +314,7 @@ class GGUFTokenizer(ChatTokenizer):
         self._tokens = tokens
 
         self.bos_token_id = _field(reader, "tokenizer.ggml.bos_token_id")
-        self.eos_token_id = int(_field(reader, "tokenizer.ggml.eos_token_id"))
+        self.eos_token_id = int(_required_field(reader, "tokenizer.ggml.eos_token_id"))
         self.add_bos_token = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
         self.chat_template: str | None = _field(reader, "tokenizer.chat_template")
         self.stop_token_ids = [self.eos_token_id]
@@ -367,7 +377,13 @@ class ByteTokenizer(ChatTokenizer):
 def load_gguf(path: str) -> LoadedModel:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as error:
+        # gguf reads the header and maps every tensor at open; a short or corrupt file fails
+        # there with numpy's reshape/view errors, which name neither the file nor the cause.
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt, {os.path.getsize(path)} bytes): "
+                         f"{error}") from error
     config = read_gguf_config(reader)
     state_dict = read_gguf_state_dict(reader, config)
     tokenizer = GGUFTokenizer(reader)
