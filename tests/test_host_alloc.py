@@ -42,6 +42,19 @@ def test_memory_outlives_the_carving():
     del junk
 
 
+
+@pytest.mark.parametrize("numel", [15, 4 << 20], ids=["small", "huge-page"])
+def test_cpu_is_cpu_under_a_default_device(numel):
+    """zeros(..., device="cpu") under `with torch.device("meta")` (how models are built before their
+    weights load) returned a meta tensor for large sizes: the carving's torch.empty took the context's
+    device, so a PagedKVCacheCollection(..., device="cpu") made there had meta pages."""
+    with torch.device("meta"):
+        t = host_alloc.zeros((numel,), dtype=torch.float32, device="cpu")
+        cache = pagedkv.PagedKVCacheCollection(64, 2, 16, 8, 128, dtype=torch.bfloat16, device="cpu")
+    assert t.device.type == "cpu" and torch.equal(t, torch.zeros(numel))
+    assert cache.blocks.device.type == "cpu" and not cache.blocks.any()
+
+
 def test_small_tensor_is_plain():
     t = host_alloc.zeros((3, 5), dtype=torch.bfloat16)
     assert not host_alloc.huge_pages_requested(t)

@@ -72,7 +72,9 @@ def zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     lib = _madvise() if device.type == "cpu" else None
     if lib is None or nbytes < _MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)  # untouched: large allocations are fresh mmaps
+    # device given: a `with torch.device(...)` context or set_default_device would otherwise put the
+    # carving (and so the cache) on that device, while small tensors above follow `device`.
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8, device="cpu")  # untouched: large allocations are fresh mmaps
     start = (raw.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
     advised = lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // _HUGE * _HUGE), _MADV_HUGEPAGE) == 0
     offset = start - raw.data_ptr()
