@@ -45,6 +45,29 @@ def test_errors_name_the_problem(saved_models):
         phf.attention_forward(model.model.layers[0].self_attn, query, key, key, None, dropout=0.1)
 
 
+
+@pytest.mark.parametrize("other_batch", [3, 1])
+def test_paged_cache_refuses_another_batch_and_stays_usable(saved_models, other_batch):
+    """A forward of another batch size on a PagedCache that holds a batch: refused by name before
+    anything changes, and the held batch then continues (logits equal sdpa over the whole sequence).
+    A batch of 1 -> 3 grew the pool's row table before paged_store refused the call ("lookup_table.size(0)
+    must be 1"), and every later forward of the held batch failed the same way."""
+    path = saved_models["llama"]
+    model, sdpa = load(path, "pagedkv"), load(path, "sdpa")
+    held = 2 if other_batch == 1 else 1
+    ids, _ = left_padded([6] * held, seed=1)
+    other, _ = left_padded([4] * other_batch, seed=2)
+    step = torch.full((held, 1), 7)
+    cache = phf.PagedCache(model, page_size=4)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **{phf._cache_argument(model): cache})
+        with pytest.raises(ValueError, match=rf"this forward has batch {other_batch}, but layer 0 holds {held} rows"):
+            model(input_ids=other, use_cache=True, **{phf._cache_argument(model): cache})
+        got = model(input_ids=step, use_cache=True, **{phf._cache_argument(model): cache}).logits[:, -1]
+        expected = sdpa(input_ids=torch.cat([ids, step], 1)).logits[:, -1]
+    assert (got - expected).norm() / expected.norm() < LOGITS_RTOL[torch.float32]
+
+
 # ---- keywords pagedkv does not implement are refused, never dropped ------------------------------------
 
 # A value for each result-changing keyword transformers' attention calls may pass (see

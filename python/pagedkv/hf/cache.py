@@ -404,6 +404,14 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             """Rows of this forward for `layer`: what is stored where. Computed once per forward
             (the first layer to arrive) and shared by the others."""
             batch, _, q_len, _ = key.shape
+            if layer.lengths is not None and layer.lengths.size(0) != batch:
+                # Checked before the pool reserves anything: reserving for another batch grew the rows'
+                # page table, after which even forwards of the cached batch failed in paged_store.
+                raise ValueError(
+                    f"PagedCache: this forward has batch {batch}, but layer {layer.layer_idx} holds "
+                    f"{layer.lengths.size(0)} rows; a PagedCache continues the batch it holds (call reset() first "
+                    "for a new batch)"
+                )
             step_key = (layer.seen, q_len, batch, attention_mask.data_ptr() if attention_mask is not None else 0)
             if self._step_key == step_key and self._step is not None:
                 return self._step
