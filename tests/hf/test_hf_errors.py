@@ -68,6 +68,25 @@ def test_paged_cache_refuses_another_batch_and_stays_usable(saved_models, other_
     assert (got - expected).norm() / expected.norm() < LOGITS_RTOL[torch.float32]
 
 
+@pytest.mark.parametrize("first, second", [(3, 1), (1, 3)])
+def test_reset_paged_cache_serves_a_batch_of_another_size(saved_models, first, second):
+    """After reset() a PagedCache takes a new batch of any size: the pool's rows of the old batch (3) stayed
+    in its lookup table, and a batch of 1 then failed in paged_store ("lookup_table.size(0) must be 1")."""
+    path = saved_models["llama"]
+    model, sdpa = load(path, "pagedkv"), load(path, "sdpa")
+    cache = phf.PagedCache(model, page_size=4)
+    argument = {phf._cache_argument(model): cache}
+    with torch.inference_mode():
+        model(input_ids=left_padded([6] * first, seed=1)[0], use_cache=True, **argument)
+        cache.reset()
+        ids, _ = left_padded([5] * second, seed=2)
+        step = torch.full((second, 1), 7)
+        model(input_ids=ids, use_cache=True, **argument)
+        got = model(input_ids=step, use_cache=True, **argument).logits[:, -1]
+        expected = sdpa(input_ids=torch.cat([ids, step], 1)).logits[:, -1]
+    assert (got - expected).norm() / expected.norm() < LOGITS_RTOL[torch.float32]
+
+
 # ---- keywords pagedkv does not implement are refused, never dropped ------------------------------------
 
 # A value for each result-changing keyword transformers' attention calls may pass (see

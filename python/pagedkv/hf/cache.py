@@ -142,6 +142,10 @@ class _Pool:
         self.lookup_table = table.to(self.device)
         return self.lookup_table
 
+    def forget_rows(self) -> None:
+        """No rows any more (a reset cache): every page is free for the next batch's rows."""
+        self.row_pages, self.next_free, self.lookup_table = [], 0, None
+
     def _grow(self, num_pages: int) -> None:
         for pages in self.layers.values():
             pages.grow(num_pages)
@@ -206,6 +210,10 @@ def _make_layer_class(CacheLayerMixin):
             # reset the next forward starts at position 0 again, and a mask at the same address (a
             # reused buffer, or the allocator's) with other padding would take the old step's rows.
             self.owner._step_key = self.owner._step = None
+            # the next forward may be a batch of another size: the rows' page lists go (their pages stay
+            # allocated and are handed out again), or the old row count would stay in the lookup table
+            if self.owner.pool is not None:
+                self.owner.pool.forget_rows()
 
         def _refuse(self, what: str):
             raise NotImplementedError(
