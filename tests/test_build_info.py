@@ -312,3 +312,13 @@ def test_self_test_catches_a_broken_op(monkeypatch):
     monkeypatch.setattr(pagedkv, "flash_attn_paged", lambda q, *args, **kwargs: torch.zeros_like(q))
     ok, detail = dict((n, (o, d)) for n, o, d in cli.self_test("cpu"))["flash_attn_paged"]
     assert not ok and detail.startswith("relative error 1.0e+00")
+
+
+@pytest.mark.parametrize("value", ["AVX2", "avx-512", "bogus"])
+def test_unknown_cpu_isa_cap_is_an_import_error(tmp_path, value):
+    # the kernels take an unknown value as no cap: a typo in a per-ISA test run would test the best path
+    env = dict(os.environ, PAGEDKV_CPU_ISA=value, PYTHONPATH=os.path.dirname(os.path.dirname(pagedkv.__file__)))
+    done = subprocess.run([sys.executable, "-c", "import pagedkv"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"PAGEDKV_CPU_ISA must be one of scalar, avx2, avx512, amx or unset, got {value!r}" in done.stderr

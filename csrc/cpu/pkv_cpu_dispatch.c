@@ -2,7 +2,8 @@
  *
  * cpuid and XGETBV (the OS must save the wider registers) decide what the CPU
  * can run; PAGEDKV_CPU_ISA=scalar|avx2|avx512|amx lowers the choice (tests force
- * each path this way). Any other value, or none, means the best available. */
+ * each path this way). Any other value, or none, means the best available (the Python package
+ * refuses other values at import: pagedkv.build_report.check_cpu_isa_variable). */
 #define _GNU_SOURCE 1 /* syscall() */
 #include <stdlib.h>
 #include <string.h>

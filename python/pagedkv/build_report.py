@@ -71,9 +71,21 @@ def build_mismatch(record: Optional[dict], torch_version: str, torch_cuda: Optio
     return None
 
 
+CPU_ISA_VALUES = ("scalar", "avx2", "avx512", "amx")
+
+
+def check_cpu_isa_variable() -> None:
+    """PAGEDKV_CPU_ISA caps the CPU kernel path (csrc/cpu/pkv_cpu_dispatch.c); the kernels take any
+    other value as no cap, so a typo ("AVX2") would silently run (and test) the best path."""
+    value = os.environ.get("PAGEDKV_CPU_ISA")
+    if value and value not in CPU_ISA_VALUES:
+        raise ImportError(f"PAGEDKV_CPU_ISA must be one of {', '.join(CPU_ISA_VALUES)} or unset, got {value!r}")
+
+
 def check_build() -> None:
-    """Import-time check: the build record against the running torch, then load the extension with
-    a message that says what to do when it does not load."""
+    """Import-time check: PAGEDKV_CPU_ISA, the build record against the running torch, then load the
+    extension with a message that says what to do when it does not load."""
+    check_cpu_isa_variable()
     record = _record()
     problem = build_mismatch(record, torch.__version__, torch.version.cuda)
     if problem:
