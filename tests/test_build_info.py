@@ -322,3 +322,9 @@ def test_unknown_cpu_isa_cap_is_an_import_error(tmp_path, value):
                           text=True, timeout=300)
     assert done.returncode != 0
     assert f"PAGEDKV_CPU_ISA must be one of scalar, avx2, avx512, amx or unset, got {value!r}" in done.stderr
+
+
+def test_python_m_pagedkv_refuses_unknown_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--bogus"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

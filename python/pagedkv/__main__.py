@@ -8,6 +8,7 @@ checking each against pagedkv.reference. Exit status 1 when a self-test fails.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -114,10 +115,13 @@ def report_lines(info: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedkv", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="the report as JSON, self-test results included")
+    args = parser.parse_args(argv)  # an unknown argument is a usage error, not ignored
     info = pagedkv.build_info()
     tests = {device: self_test(device) for device in devices(info)}
     passed = all(ok for results in tests.values() for _, ok, _ in results)
-    if "--json" in argv:
+    if args.json:
         info["self_test"] = {d: [{"op": n, "ok": ok, "detail": t} for n, ok, t in r] for d, r in tests.items()}
         print(json.dumps(info, indent=2))
         return 0 if passed else 1
