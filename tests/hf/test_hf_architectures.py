@@ -246,3 +246,26 @@ def _check_static_cache(model_type, model, expected_tokens):
             generate(build(model_type), cache_implementation="static")
         return
     assert torch.equal(tokens, expected_tokens), "static cache: tokens"
+
+
+def test_gathering_layers_refuse_another_batch_and_stay_usable():
+    """DeepSeek's MLA layers (transformers 5.x) gather their history from the pages (PagedLayer.gathers): a
+    forward of another batch size was accepted there (rows of the old batch's positions) and then every
+    forward of the held batch failed in paged_store; now refused by name before anything changes."""
+    import pagedkv.hf as phf
+
+    if "deepseek_v3" not in _architectures():
+        pytest.skip("this transformers has no deepseek_v3")
+    model, eager = build("deepseek_v3", "pagedkv"), build("deepseek_v3", "eager")
+    cache = phf.PagedCache(model, page_size=4)
+    argument = {phf._cache_argument(model): cache}
+    ids, step = torch.randint(0, TINY["vocab_size"], (2, 6)), torch.full((2, 1), 7)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, **argument)
+        if not any(layer.gathers for layer in cache.layers):
+            pytest.skip("this transformers' deepseek_v3 attends over what it caches (no gathering layer)")
+        with pytest.raises(ValueError, match="this forward has batch 3, but layer 0 holds 2 rows"):
+            model(input_ids=torch.full((3, 1), 7), use_cache=True, **argument)
+        got = model(input_ids=step, use_cache=True, **argument).logits[:, -1]
+        expected = eager(input_ids=torch.cat([ids, step], 1)).logits[:, -1]
+    assert relative_error(got, expected) <= LOGITS_RTOL_FP32

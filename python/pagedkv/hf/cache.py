@@ -464,6 +464,12 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             """Stores key [B, H, S, Dk] / value [B, H, S, Dv] at positions seen.. of every row
             (padding included: the model masks it) and returns each row's whole history."""
             batch, heads, new_len, _ = key.shape
+            held = 0 if self.pool is None else len(self.pool.row_pages)
+            if layer.seen and held != batch:  # before the pool reserves anything, as _batch_step
+                raise ValueError(
+                    f"PagedCache: this forward has batch {batch}, but layer {layer.layer_idx} holds {held} rows; a "
+                    "PagedCache continues the batch it holds (call reset() first for a new batch)"
+                )
             length = layer.seen + new_len
             pool = self._ensure_pool(key, batch, length)
             lookup = pool.reserve([length] * batch)
