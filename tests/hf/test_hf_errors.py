@@ -28,6 +28,18 @@ def test_errors_name_the_problem(saved_models):
         phf.generate_batch(model, [[3, 4]], max_new_tokens=0)
     with pytest.raises(ValueError, match="page_size"):
         phf.PagedCache(model, page_size=0)
+    # generate_batch checks its own pool arguments under their names before sizing the pool
+    # (page_size=0 was a ZeroDivisionError, -1 a "num_pages ... got -6", kv_dtype=int8 "dtype must be").
+    with pytest.raises(ValueError, match=r"^page_size must be >= 1, got 0$"):
+        phf.generate_batch(model, [[3, 4]], max_new_tokens=2, page_size=0)
+    with pytest.raises(ValueError, match=r"^page_size must be >= 1, got -1$"):
+        phf.generate_batch(model, [[3, 4]], max_new_tokens=2, page_size=-1)
+    with pytest.raises(ValueError, match=r"^num_pages must be >= 1, got 0$"):
+        phf.generate_batch(model, [[3, 4]], max_new_tokens=2, num_pages=0)
+    with pytest.raises(ValueError, match=r"^kv_dtype must be one of .*, got torch.int8$"):
+        phf.generate_batch(model, [[3, 4]], max_new_tokens=2, kv_dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"^kv_dtype must be a torch.dtype, got str$"):
+        phf.generate_batch(model, [[3, 4]], max_new_tokens=2, kv_dtype="fp8_e4m3")
     with pytest.raises(NotImplementedError, match="PagedCache does not support"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
                        **paged_cache_argument(model))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import PagedKVCacheCollection
+from ..cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
 from ..serving import ContinuousBatchingServer, ProgressBar, Request, page_manager_for
 from .cache import PagedCache, _model_dims, _RaggedStep, _text_config
 from .compat import IMPLEMENTATION
@@ -105,6 +105,13 @@ def generate_batch(
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"inputs[{i}] is empty: every request needs at least one prompt token")
+    # Checked before they size the pool: page_size=0 would divide by zero there, a negative one
+    # would surface as a "num_pages" the caller never passed, and a bad kv_dtype as "dtype".
+    _check_positive_int("page_size", page_size)
+    if num_pages is not None:
+        _check_positive_int("num_pages", num_pages)
+    if kv_dtype is not None:
+        _check_cache_dtype(kv_dtype, "kv_dtype")
     config = _text_config(model)
     num_layers, num_kv_heads, head_dim = _model_dims(config)
     stop_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
