@@ -390,6 +390,24 @@ def test_batch_accessors():
     assert "batch_size=3" in repr(batch)
 
 
+def test_batch_row_index_and_int32_lengths():
+    batch = KVCacheBatch(_i32([0, 2, 5]), _i32([3, 0]), torch.zeros((2, 1), dtype=torch.int32))
+    # Negative rows were Python list indices: num_new_tokens(-1) gave offsets[0] - offsets[-1] = -5.
+    for bad in (-1, 2):
+        with pytest.raises(IndexError, match=rf"^batch_idx must be in \[0, 2\), got {bad}$"):
+            batch.num_new_tokens(bad)
+        with pytest.raises(IndexError, match=rf"^batch_idx must be in \[0, 2\), got {bad}$"):
+            batch.cache_length(bad)
+    with pytest.raises(TypeError, match="^batch_idx must be an int, got float$"):
+        batch.cache_length(0.0)
+    # A row past int32 wrapped in seq_lens(): cache_lengths 2^31-1 + 2 new gave seq_lens [-2].
+    with pytest.raises(ValueError, match=r"^cache_lengths\[0\] \+ new tokens must be <= 2147483647 .*"
+                                         r"got 2147483647 \+ 2$"):
+        KVCacheBatch(_i32([0, 2]), _i32([2**31 - 1]), torch.zeros((1, 1), dtype=torch.int32))
+    edge = KVCacheBatch(_i32([0, 2]), _i32([2**31 - 3]), torch.zeros((1, 1), dtype=torch.int32))
+    assert edge.seq_lens().tolist() == [2**31 - 1]
+
+
 @pytest.mark.parametrize(
     "offsets,lengths,table,exc,name",
     [

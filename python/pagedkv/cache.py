@@ -99,6 +99,9 @@ def _check_int32_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor
     return value
 
 
+_INT32_MAX = 2**31 - 1
+
+
 class KVCacheBatch:
     """Per-step metadata: which rows are in the batch, how long they are, where their pages are.
 
@@ -139,6 +142,13 @@ class KVCacheBatch:
                 )
             if lengths[b] < 0:
                 raise ValueError(f"cache_lengths[{b}] must be >= 0, got {lengths[b]}")
+            # seq_lens() is int32: a longer row would wrap to a negative length there.
+            new_tokens = offsets[b + 1] - offsets[b]
+            if lengths[b] + new_tokens > _INT32_MAX:
+                raise ValueError(
+                    f"cache_lengths[{b}] + new tokens must be <= {_INT32_MAX} (int32 seq_lens), "
+                    f"got {lengths[b]} + {new_tokens}"
+                )
         self.input_row_offsets = input_row_offsets
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
@@ -153,12 +163,22 @@ class KVCacheBatch:
     def device(self) -> torch.device:
         return self.cache_lengths.device
 
+    def _check_row(self, batch_idx) -> int:
+        # Python's negative indexing would make num_new_tokens(-1) offsets[0] - offsets[-1] (minus
+        # the total), silently; rows are numbered [0, B) only.
+        if isinstance(batch_idx, bool) or not isinstance(batch_idx, int):
+            raise TypeError(f"batch_idx must be an int, got {type(batch_idx).__name__}")
+        if not 0 <= batch_idx < self.batch_size:
+            raise IndexError(f"batch_idx must be in [0, {self.batch_size}), got {batch_idx}")
+        return batch_idx
+
     def cache_length(self, batch_idx: int) -> int:
         """Tokens already cached for row `batch_idx` before this step."""
-        return self._lengths[batch_idx]
+        return self._lengths[self._check_row(batch_idx)]
 
     def num_new_tokens(self, batch_idx: int) -> int:
-        return self._offsets[batch_idx + 1] - self._offsets[batch_idx]
+        b = self._check_row(batch_idx)
+        return self._offsets[b + 1] - self._offsets[b]
 
     def max_prompt_length(self) -> int:
         """Largest number of new tokens in one row (0 for an empty batch)."""
