@@ -266,3 +266,14 @@ def test_server_and_demo_refuse_counts_that_admit_nothing():
     for count in ("0", "-1"):
         with pytest.raises(SystemExit):
             demo.parse_args(["--num-requests", count])
+
+
+def test_make_kv_cache_names_an_unknown_kv_dtype():
+    # Was a bare KeyError 'fp8' naming neither the argument nor the accepted names.
+    from pagedkv.llama import make_kv_cache
+
+    config = gguf_model.LlamaConfig(96, 64, 128, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"^kv_dtype must be one of fp32, bf16, fp16, fp8_e4m3, fp8_e5m2 "
+                                         r"or a torch.dtype, got 'fp8'$"):
+        make_kv_cache(config, 4, 4, "fp8")
+    assert make_kv_cache(config, 4, 4, "fp8_e5m2").dtype == torch.float8_e5m2

@@ -206,6 +206,9 @@ def make_kv_cache(config, num_pages: int, page_size: int, kv_dtype: str | torch.
     """A ``pagedkv.PagedKVCacheCollection`` sized for ``config``; ``kv_dtype`` is a ``KV_DTYPES`` key."""
     import pagedkv
 
+    if isinstance(kv_dtype, str) and kv_dtype not in KV_DTYPES:
+        # A bare KeyError 'fp8' named neither the argument nor the accepted names.
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} or a torch.dtype, got {kv_dtype!r}")
     dtype = KV_DTYPES[kv_dtype] if isinstance(kv_dtype, str) else kv_dtype
     return pagedkv.PagedKVCacheCollection(
         num_pages,
