@@ -56,6 +56,15 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def _check_index(name: str, value, size: int, error: type[Exception] = ValueError) -> int:
+    """value as an index in [0, size): an int (not a bool), never Python's negative indexing."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < size:
+        raise error(f"{name} must be in [0, {size}), got {value}")
+    return value
+
+
 def _check_cache_dtype(dtype, name: str = "dtype") -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
@@ -166,11 +175,7 @@ class KVCacheBatch:
     def _check_row(self, batch_idx) -> int:
         # Python's negative indexing would make num_new_tokens(-1) offsets[0] - offsets[-1] (minus
         # the total), silently; rows are numbered [0, B) only.
-        if isinstance(batch_idx, bool) or not isinstance(batch_idx, int):
-            raise TypeError(f"batch_idx must be an int, got {type(batch_idx).__name__}")
-        if not 0 <= batch_idx < self.batch_size:
-            raise IndexError(f"batch_idx must be in [0, {self.batch_size}), got {batch_idx}")
-        return batch_idx
+        return _check_index("batch_idx", batch_idx, self.batch_size, IndexError)
 
     def cache_length(self, batch_idx: int) -> int:
         """Tokens already cached for row `batch_idx` before this step."""
@@ -248,11 +253,7 @@ class _PagedCacheBase:
         return None if self.tensor_scales is None else self.tensor_scales[self._check_layer(layer), kv]
 
     def _check_layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        return layer
+        return _check_index("layer", layer, self.num_layers)
 
     def _table(self, layer: int, lookup_table: torch.Tensor) -> torch.Tensor:
         return lookup_table
