@@ -38,6 +38,7 @@ from typing import Union
 import torch
 
 from . import _C  # loading the library registers torch.ops.pagedkv (copy_pages among them)
+from .ops import _same_device
 
 __all__ = ["OutOfPagesError", "PageManager", "copy_pages"]
 
@@ -65,9 +66,7 @@ def copy_pages(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Ten
 def _copy_pages_fake(pool, src_pages, dst_pages):
     # A call mixing meta and real tensors dispatches here (Meta outranks CPU): check devices like the core,
     # or a copy with meta index lists silently copies nothing.
-    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
-        if pages.device != pool.device:
-            raise RuntimeError(f"copy_pages: {name} must be on the same device as pool ({pool.device}), got {pages.device}")
+    _same_device("copy_pages", "pool", pool, src_pages=src_pages, dst_pages=dst_pages)
     return None
 
 

@@ -408,18 +408,22 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                 self.pool = _Pool(self.page_size, dtype, key.device, pages, self.quant_group)
             return self.pool
 
+        @staticmethod
+        def _check_batch(layer, batch: int, held: int) -> None:
+            """Checked before the pool reserves anything: reserving for another batch grew the rows' page
+            table, after which even forwards of the held batch failed in paged_store."""
+            if batch != held:
+                raise ValueError(
+                    f"PagedCache: this forward has batch {batch}, but layer {layer.layer_idx} holds {held} rows; a "
+                    "PagedCache continues the batch it holds (call reset() first for a new batch)"
+                )
+
         def _batch_step(self, layer, key, attention_mask):
             """Rows of this forward for `layer`: what is stored where. Computed once per forward
             (the first layer to arrive) and shared by the others."""
             batch, _, q_len, _ = key.shape
-            if layer.lengths is not None and layer.lengths.size(0) != batch:
-                # Checked before the pool reserves anything: reserving for another batch grew the rows'
-                # page table, after which even forwards of the cached batch failed in paged_store.
-                raise ValueError(
-                    f"PagedCache: this forward has batch {batch}, but layer {layer.layer_idx} holds "
-                    f"{layer.lengths.size(0)} rows; a PagedCache continues the batch it holds (call reset() first "
-                    "for a new batch)"
-                )
+            if layer.lengths is not None:
+                self._check_batch(layer, batch, layer.lengths.size(0))
             step_key = (layer.seen, q_len, batch, attention_mask.data_ptr() if attention_mask is not None else 0)
             if self._step_key == step_key and self._step is not None:
                 return self._step
@@ -464,12 +468,8 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             """Stores key [B, H, S, Dk] / value [B, H, S, Dv] at positions seen.. of every row
             (padding included: the model masks it) and returns each row's whole history."""
             batch, heads, new_len, _ = key.shape
-            held = 0 if self.pool is None else len(self.pool.row_pages)
-            if layer.seen and held != batch:  # before the pool reserves anything, as _batch_step
-                raise ValueError(
-                    f"PagedCache: this forward has batch {batch}, but layer {layer.layer_idx} holds {held} rows; a "
-                    "PagedCache continues the batch it holds (call reset() first for a new batch)"
-                )
+            if layer.seen:
+                self._check_batch(layer, batch, 0 if self.pool is None else len(self.pool.row_pages))
             length = layer.seen + new_len
             pool = self._ensure_pool(key, batch, length)
             lookup = pool.reserve([length] * batch)
