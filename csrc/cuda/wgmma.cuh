@@ -35,7 +35,7 @@ __device__ constexpr bool wgmma_compiled() { return PKV_WGMMA != 0; }
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand starting at shared address `addr`:
 // lbo / sbo are the byte strides the canonical layout names (14-bit fields in 16-byte units; layout type
 // 1 = 128-byte swizzle in bits 62-63; base offset 0, as every swizzle atom starts 1024-byte aligned).
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16 |
          static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32 | static_cast<uint64_t>(1) << 62;
 }
@@ -43,12 +43,12 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo
 // K-major B of k-step kk (16 channels) of a `rows`-row tile: rows are N, 8-row groups 1024 bytes apart
 // (SBO); the k-step's 32 bytes sit inside a 128-byte chunk (a start-address offset: the hardware applies
 // the swizzle to the whole address), chunks `rows` x 128 bytes apart. LBO is unused in this layout.
-__device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t tile, int kk, int rows) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t tile, int kk, int rows) {
   return wgmma_desc_sw128(tile + static_cast<uint32_t>((kk >> 2) * rows * 128 + (kk & 3) * 32), 16u, 1024u);
 }
 // MN-major B of k-step kk (16 keys) of a `rows`-row tile: 64 channels per 128-byte chunk, chunks `rows` x
 // 128 bytes apart (LBO: the next 64 of N), 8-key groups 1024 bytes apart (SBO: the next 8 of the reduction).
-__device__ __forceinline__ uint64_t wgmma_desc_mn_major(uint32_t tile, int kk, int rows) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_mn_major(uint32_t tile, int kk, int rows) {
   return wgmma_desc_sw128(tile + static_cast<uint32_t>(kk * 16 * 128), static_cast<uint32_t>(rows * 128), 1024u);
 }
 
