@@ -65,6 +65,7 @@ def paged_store(
     per-tensor k_scales only read (fp8_rope); the rope rounded to bfloat16.
     Bad input raises RuntimeError naming the argument, with nothing written.
     """
+    _check_scalars("paged_store", quant_group=quant_group)
     _ops.paged_store(
         key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, quant_group,
         kv_format,
@@ -90,6 +91,7 @@ def paged_load(
     A packed cache (kv_format, uint8 rows [N, P, 1, 656 or 640]) gives the logical keys
     [sum(seq_lens), 1, 576] (float32 by default); fp8_rope's per-tensor scale is `scales`.
     """
+    _check_scalars("paged_load", quant_group=quant_group)
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
@@ -155,6 +157,8 @@ def flash_attn_paged(
     A packed MLA cache (kv_format "fp8_ds_mla" / "fp8_rope", v_cache None): q [T, Hq, 576] over the
     logical keys, output [T, Hq, 512]; scale defaults to 1/sqrt(576).
     """
+    _check_scalars("flash_attn_paged", causal, scale=scale, quant_group=quant_group, window_left=window_left,
+                   softcap=softcap)
     args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
             k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
     if out is None:
@@ -187,6 +191,8 @@ def flash_attn_paged_lse(
     sees (the sink term included); -inf where a row sees no key and has no sink, and on padding rows.
     Two results over disjoint key sets combine exactly with `merge_attn_states`.
     """
+    _check_scalars("flash_attn_paged", causal, scale=scale, quant_group=quant_group, window_left=window_left,
+                   softcap=softcap)
     return _ops.flash_attn_paged_lse(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale,
                                      causal, k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
 
@@ -227,6 +233,7 @@ def flash_attn_paged_sparse(
     Entries < -1 or >= N * P raise an index error (on CUDA when checks are on; skipped otherwise).
     Returns [T, Hq, Dv] in q's dtype.
     """
+    _check_scalars("flash_attn_paged_sparse", scale=scale, quant_group=quant_group, softcap=softcap)
     return _ops.flash_attn_paged_sparse(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group,
                                         softcap, sinks, kv_format)
 
@@ -301,6 +308,18 @@ def set_kernel_options(**options) -> dict:
             changes[name] = int(value)
     _C.set_kernel_settings(changes)
     return previous
+
+
+def _check_scalars(op, causal=True, **numbers) -> None:
+    """Refuse the scalars torch's schema parser takes silently: Python's bool is an int (and a float
+    there), so window_left=True meant a window of one key, softcap=True a cap of 1.0, scale=True a
+    scale of 1; and it reads causal=None as False (non-causal attention, where the default is True)."""
+    if causal not in (True, False):  # None too; numpy bools, 0 and 1 equal one of them
+        raise TypeError(f"{op}: causal must be True or False, got {causal!r}")
+    for name, value in numbers.items():
+        if isinstance(value, bool):
+            kind = "an int" if name in ("quant_group", "window_left") else "a float"
+            raise TypeError(f"{op}: {name} must be {kind}, got {value!r}")
 
 
 def _describe(x) -> str:

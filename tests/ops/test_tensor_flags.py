@@ -1,5 +1,5 @@
 """What torch tracks beside a tensor's memory, at the ops' boundary (csrc/torch/dispatch_keys.cpp):
-autograd, version counters, the negative bit.
+autograd, version counters, the negative bit; and the Python wrappers' scalar arguments.
 
 - pagedkv's ops have no backward. torch's default for such an op only warned at backward and left
   q.grad None (a silent wrong gradient). Now an attention output from an input that requires grad
@@ -9,6 +9,7 @@ autograd, version counters, the negative bit.
   overwritten by paged_store makes that backward fail instead of using the new values.
 - A written argument that is a negative view (torch._neg_view) aborted the interpreter inside torch's
   fallback; it is refused by name. Read arguments with the bit are resolved (their values used).
+- Python's bool is an int: window_left=True was a window of one key; causal=None meant non-causal.
 """
 
 from __future__ import annotations
@@ -192,3 +193,52 @@ def test_negative_views_read_by_value_and_refused_when_written():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+# ---- Python scalars in the wrappers ----
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"window_left": True}, "window_left must be an int, got True"),
+        ({"window_left": False}, "window_left must be an int, got False"),
+        ({"quant_group": True}, "quant_group must be an int, got True"),
+        ({"softcap": True}, "softcap must be a float, got True"),
+        ({"scale": True}, "scale must be a float, got True"),
+        ({"causal": None}, "causal must be True or False, got None"),
+        ({"causal": 2}, "causal must be True or False, got 2"),
+    ],
+)
+def test_attention_wrappers_refuse_bools_as_numbers_and_none_causal(kwargs, message):
+    c = _call()
+    _store(c)
+    args = (c["q"], c["offs"], c["k"], c["v"], c["lens"], c["table"])
+    with pytest.raises(TypeError, match=f"flash_attn_paged: {message}"):
+        pagedkv.flash_attn_paged(*args, **kwargs)
+    with pytest.raises(TypeError, match=f"flash_attn_paged: {message}"):
+        pagedkv.flash_attn_paged_lse(*args, **kwargs)
+    if "causal" not in kwargs and "window_left" not in kwargs:
+        with pytest.raises(TypeError, match=f"flash_attn_paged_sparse: {message}"):
+            pagedkv.flash_attn_paged_sparse(c["q"], c["k"], c["v"], torch.zeros(5, 1, 2, dtype=torch.int32), **kwargs)
+
+
+def test_store_and_load_wrappers_refuse_a_bool_quant_group():
+    c = _call()
+    with pytest.raises(TypeError, match="paged_store: quant_group must be an int, got True"):
+        pagedkv.paged_store(c["key"], c["val"], c["k"], c["v"], c["offs"], c["lens"], c["table"], quant_group=True)
+    with pytest.raises(TypeError, match="paged_load: quant_group must be an int, got True"):
+        pagedkv.paged_load(c["k"], c["table"], c["lens"], quant_group=True)
+
+
+def test_equivalent_scalars_still_accepted():
+    import numpy as np
+
+    c = _call()
+    _store(c)
+    args = (c["q"], c["offs"], c["k"], c["v"], c["lens"], c["table"])
+    expected = pagedkv.flash_attn_paged(*args, scale=0.5, causal=False, window_left=2, softcap=30.0)
+    for kwargs in ({"scale": np.float32(0.5), "causal": np.bool_(False), "window_left": np.int64(2),
+                    "softcap": np.float64(30.0)},
+                   {"scale": torch.tensor(0.5), "causal": 0, "window_left": 2, "softcap": 30}):
+        torch.testing.assert_close(pagedkv.flash_attn_paged(*args, **kwargs), expected, rtol=0, atol=1e-6)
