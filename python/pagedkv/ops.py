@@ -94,6 +94,9 @@ def paged_load(
     _check_scalars("paged_load", quant_group=quant_group)
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
+    if seq_lens.is_meta:  # torch's own error ("Cannot copy out of meta tensor") named nothing
+        raise ValueError("paged_load: seq_lens must hold values (the output is sized from them), got a meta tensor; "
+                         "torch.ops.pagedkv.paged_load takes a preallocated out")
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise TypeError(f"paged_load: cache must be a 4-D [N, P, Hk, D] tensor, got {_describe(cache)}")
     packed = kv_format in KV_FORMATS

@@ -285,6 +285,17 @@ def test_paged_load_meta_argument_is_rejected_by_name():
     assert cache.abs().sum() == 0
 
 
+def test_paged_load_convenience_refuses_meta_seq_lens_by_name():
+    meta = torch.zeros((4, 2, 1, 4), device="meta")
+    table, lengths = torch.zeros((1, 2), dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="paged_load: seq_lens must hold values"):
+        pagedkv.paged_load(meta, table.to("meta"), lengths.to("meta"))
+    # the op itself takes meta tensors throughout (its fake kernel: shapes only)
+    torch.ops.pagedkv.paged_load(meta, None, table.to("meta"), lengths.to("meta"),
+                                 torch.tensor([0, 3], dtype=torch.int32, device="meta"),
+                                 torch.empty((3, 1, 4), device="meta"))
+
+
 # Not per_isa: the per-ISA runs of scripts/test.sh always left out this subprocess test (up to 120 s).
 def test_paged_load_walks_only_the_table_columns_rows_need():
     """A lookup table broadcast to 2^40 columns (legal, read-only) once made paged_load iterate
