@@ -14,6 +14,7 @@ autograd, version counters, the negative bit; and the Python wrappers' scalar ar
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -191,7 +192,8 @@ def test_negative_views_read_by_value_and_refused_when_written():
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
