@@ -11,6 +11,7 @@
 //   flash_attn_paged.out, copy_pages) is refused at the call under grad mode when any of its tensors
 //   requires grad: its results land in tensors autograd does not track, so a key stored into a cache
 //   would silently lose its gradient, and a written tensor requiring grad would change under autograd.
+//   A forward-mode tangent (dual tensor) on any argument is refused at the call: it was dropped.
 // - ADInplaceOrView. A written tensor's version counter is bumped after the write, as torch's own
 //   in-place ops do: a tensor saved for some other op's backward and then overwritten by paged_store
 //   made that backward use the new values silently; now autograd raises its "modified by an inplace
@@ -55,6 +56,11 @@ void autograd_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet keys, to
   for (size_t i = 0; i < schema.arguments().size(); i++) {
     writes = writes || is_written(schema.arguments()[i]);
     const c10::IValue &v = argument(stack, schema, i);
+    // Forward-mode AD runs with the call (and under torch.no_grad() too): an output without a tangent
+    // was a silent zero derivative (torch.func.jvp returned zeros).
+    TORCH_CHECK(!(v.isTensor() && v.toTensor()._fw_grad(/*level=*/0).defined()), op_name(schema), ": ",
+                schema.arguments()[i].name(), " has a forward-mode tangent (torch.autograd.forward_ad, "
+                "torch.func.jvp), but pagedkv's ops have no derivative; pass a tensor without one");
     if (at::GradMode::is_enabled() && v.isTensor() && v.toTensor().requires_grad()) {
       requiring_grad.push_back(v.toTensor());
       names += (names.empty() ? "" : ", ") + schema.arguments()[i].name();

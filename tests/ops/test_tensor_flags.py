@@ -4,7 +4,8 @@ autograd, version counters, the negative bit; and the Python wrappers' scalar ar
 - pagedkv's ops have no backward. torch's default for such an op only warned at backward and left
   q.grad None (a silent wrong gradient). Now an attention output from an input that requires grad
   raises at backward, naming the op and the input; an op that writes into its arguments refuses a
-  tensor that requires grad under grad mode (its results bypass autograd).
+  tensor that requires grad under grad mode (its results bypass autograd). A forward-mode tangent
+  (torch.func.jvp) was dropped (a zero derivative); refused at the call.
 - A written tensor's version counter is bumped, so a tensor saved for another op's backward and then
   overwritten by paged_store makes that backward fail instead of using the new values.
 - A written argument that is a negative view (torch._neg_view) aborted the interpreter inside torch's
@@ -109,6 +110,21 @@ def test_load_and_out_refuse_tensors_requiring_grad_under_grad_mode():
     one, two = torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="copy_pages: pool requires grad"):
         torch.ops.pagedkv.copy_pages(pool, one, two)
+
+
+def test_forward_mode_tangents_are_refused_by_name():
+    import torch.autograd.forward_ad as fwad
+
+    c = _call()
+    _store(c)
+    with pytest.raises(RuntimeError, match="flash_attn_paged: q has a forward-mode tangent"):
+        torch.func.jvp(lambda q: _attend(c, q=q), (c["q"],), (torch.ones_like(c["q"]),))  # returned zeros
+    before = c["k"].clone()
+    with fwad.dual_level(), torch.no_grad():
+        key = fwad.make_dual(c["key"], torch.ones_like(c["key"]))
+        with pytest.raises(RuntimeError, match="paged_store: key has a forward-mode tangent"):
+            _store(c, key=key)
+    assert torch.equal(c["k"], before)
 
 
 # ---- version counters ----
