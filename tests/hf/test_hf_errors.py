@@ -40,9 +40,6 @@ def test_errors_name_the_problem(saved_models):
         phf.generate_batch(model, [[3, 4]], max_new_tokens=2, kv_dtype=torch.int8)
     with pytest.raises(TypeError, match=r"^kv_dtype must be a torch.dtype, got str$"):
         phf.generate_batch(model, [[3, 4]], max_new_tokens=2, kv_dtype="fp8_e4m3")
-    with pytest.raises(NotImplementedError, match="PagedCache does not support"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
-                       **paged_cache_argument(model))
     cache = phf.PagedCache(model)
     model.set_attn_implementation("sdpa")  # after the cache was made for "pagedkv"
     with pytest.raises(RuntimeError, match="layer 0 did not attend with attn_implementation='pagedkv'"):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from .. import host_alloc, ops
 from ..cache import PagedKVCacheCollection, _check_cache_dtype, _check_positive_int
 from ..dtypes import is_fp8, num_scale_groups
+from ..page_manager import copy_pages
 from .attention import _padding_mask, _pending, _Rows
 from .compat import IMPLEMENTATION, PAGED_CACHE_REFUSED, check_transformers_version, refusal
 
@@ -99,14 +102,21 @@ class _LayerPages:
 class _Pool:
     """The pages of a PagedCache: each row's page list (shared by all layers) and each layer's
     pages, made at the layer's first store with its shapes; all grow together when a step needs
-    more pages than are free."""
+    more pages than are free.
+
+    Rows may share pages (beam search gives several rows one history): each page has a reference
+    count (the row page lists that hold it), a row about to write into a page another row holds
+    first copies it to a page of its own (copy on write, see ``reserve``), and a page no row holds
+    any more goes to the free list, taken before new pages are cut from the pool."""
 
     def __init__(self, page_size, dtype, device, num_pages, quant_group):
         self.page_size, self.dtype, self.device, self.quant_group = page_size, dtype, device, quant_group
         self.num_pages = num_pages
         self.layers: dict[int, _LayerPages] = {}
         self.row_pages: list[list[int]] = []
-        self.next_free = 0
+        self.next_free = 0  # pages [next_free, num_pages) were never handed out
+        self.refs: list[int] = []  # refs[page]: how many row page lists hold page (page < next_free)
+        self.free: list[int] = []  # pages below next_free that no row holds
         self.lookup_table: torch.Tensor | None = None
 
     def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> _LayerPages:
@@ -121,21 +131,97 @@ class _Pool:
             self.layers[layer_idx] = pages
         return pages
 
-    def reserve(self, row_lengths: Sequence[int]) -> torch.Tensor:
-        """Pages for rows of the given lengths (tokens after this step); returns lookup_table."""
-        page_size = self.page_size
+    def reserve(self, row_lengths: Sequence[int], stored_before: Sequence[int]) -> torch.Tensor:
+        """Pages for rows that hold stored_before[b] tokens and will hold row_lengths[b] after this
+        step; a page the step writes that another row also holds is copied first. Returns lookup_table."""
         while len(self.row_pages) < len(row_lengths):
             self.row_pages.append([])
+        page_size = self.page_size
         wanted = [max(0, -(-length // page_size) - len(pages)) for length, pages in zip(row_lengths, self.row_pages)]
-        if self.lookup_table is not None and not any(wanted):
+        shared = self._shared_pages_written(stored_before, row_lengths)
+        if self.lookup_table is not None and not any(wanted) and not shared:
             return self.lookup_table
-        needed = self.next_free + sum(wanted)
-        if needed > self.num_pages:
-            self._grow(max(needed, POOL_GROWTH * self.num_pages))
+        fresh = self._take(sum(wanted) + len(shared))
+        if shared:
+            self._copy_on_write(shared, fresh[: len(shared)])
+            fresh = fresh[len(shared):]
         for pages, count in zip(self.row_pages, wanted):
-            pages.extend(range(self.next_free, self.next_free + count))
-            self.next_free += count
-        width = max(1, max(len(p) for p in self.row_pages))
+            pages.extend(fresh[:count])
+            fresh = fresh[count:]
+        return self._build_lookup_table()
+
+    def _shared_pages_written(self, stored_before, row_lengths) -> list[tuple[int, int]]:
+        """(row, index in its page list) of each page a row writes in this step (tokens
+        [stored_before, row_length)) that other rows hold too. The last of a page's holders to be
+        listed keeps it (the others get copies), so no page is copied for nobody."""
+        shared, holders = [], {}
+        for row, (before, after) in enumerate(zip(stored_before, row_lengths)):
+            pages = self.row_pages[row]
+            for index in range(before // self.page_size, min(len(pages), -(-after // self.page_size))):
+                page = pages[index]
+                count = holders.get(page, self.refs[page])
+                if count > 1:
+                    shared.append((row, index))
+                    holders[page] = count - 1
+        return shared
+
+    def _copy_on_write(self, shared: list[tuple[int, int]], fresh: list[int]) -> None:
+        """Gives each (row, index) of shared the page of fresh in its place, holding a copy of
+        the shared page in every layer, so the row's writes leave the other rows' page as it is."""
+        sources = [self.row_pages[row][index] for row, index in shared]
+        src = torch.tensor(sources, dtype=torch.int32, device=self.device)
+        dst = torch.tensor(fresh, dtype=torch.int32, device=self.device)
+        for layer in self.layers.values():
+            for tensor in (layer.k, layer.v, layer.k_scales, layer.v_scales):
+                if tensor is not None:
+                    copy_pages(tensor, src, dst)
+        for (row, index), old, new in zip(shared, sources, fresh):
+            self.row_pages[row][index] = new
+            self.refs[old] -= 1  # still >= 1: the page was shared
+
+    def _take(self, count: int) -> list[int]:
+        """count pages no row holds, each with one reference: free pages first, then pages never
+        handed out (the pool grows when those run out)."""
+        taken = [self.free.pop() for _ in range(min(count, len(self.free)))]
+        new = count - len(taken)
+        if self.next_free + new > self.num_pages:
+            self._grow(max(self.next_free + new, POOL_GROWTH * self.num_pages))
+        taken.extend(range(self.next_free, self.next_free + new))
+        self.next_free += new
+        self.refs.extend([0] * new)
+        for page in taken:
+            self.refs[page] = 1
+        return taken
+
+    def _release(self, pages: Sequence[int]) -> None:
+        """One reference less on each of pages; those no row holds any more become free."""
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+
+    def select_rows(self, sources: Sequence[int]) -> None:
+        """Row i becomes a copy of old row sources[i] (any order, repeats allowed): page lists are
+        copied and their pages gain a reference each; pages only dropped rows held become free."""
+        rows = [list(self.row_pages[source]) for source in sources]
+        for pages in rows:
+            for page in pages:
+                self.refs[page] += 1
+        for pages in self.row_pages:
+            self._release(pages)
+        self.row_pages = rows
+        self.lookup_table = None
+
+    def truncate_rows(self, row_lengths: Sequence[int]) -> None:
+        """Each row keeps the pages its first row_lengths[b] tokens lie in; the rest are released."""
+        for pages, length in zip(self.row_pages, row_lengths):
+            keep = -(-length // self.page_size)
+            self._release(pages[keep:])
+            del pages[keep:]
+        self.lookup_table = None
+
+    def _build_lookup_table(self) -> torch.Tensor:
+        width = max(1, max((len(p) for p in self.row_pages), default=0))
         table = torch.zeros((len(self.row_pages), width), dtype=torch.int32)
         for row, pages in enumerate(self.row_pages):
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
@@ -145,6 +231,7 @@ class _Pool:
     def forget_rows(self) -> None:
         """No rows any more (a reset cache): every page is free for the next batch's rows."""
         self.row_pages, self.next_free, self.lookup_table = [], 0, None
+        self.refs, self.free = [], []
 
     def _grow(self, num_pages: int) -> None:
         for pages in self.layers.values():
@@ -158,7 +245,7 @@ def _make_layer_class(CacheLayerMixin):
 
         is_compileable = False
         is_sliding = False
-        is_croppable = False
+        is_croppable = True  # PagedCache.crop; assisted decoding asks the layers
 
         def __init__(self, owner, layer_idx: int):
             super().__init__()
@@ -209,29 +296,32 @@ def _make_layer_class(CacheLayerMixin):
             # The owner's step memo (_batch_step) is keyed on positions and the mask's address: after a
             # reset the next forward starts at position 0 again, and a mask at the same address (a
             # reused buffer, or the allocator's) with other padding would take the old step's rows.
-            self.owner._step_key = self.owner._step = None
+            self.owner._forget_step()
+            self.owner._kept = None
             # the next forward may be a batch of another size: the rows' page lists go (their pages stay
             # allocated and are handed out again), or the old row count would stay in the lookup table
             if self.owner.pool is not None:
                 self.owner.pool.forget_rows()
 
-        def _refuse(self, what: str):
+        # All layers share the rows' page lists, so rows are reordered and cut for the whole
+        # cache at once (PagedCache.reorder_cache, crop, ...), never one layer alone.
+        def _whole_cache_only(self, what: str):
             raise NotImplementedError(
-                f"pagedkv.hf.PagedCache does not support {what} (beam search, assisted decoding and cache "
-                "cropping need page copies); use greedy or sampled generate, or transformers' DynamicCache"
+                f"pagedkv.hf.PagedCache: the layers share their rows' pages; call {what} on the PagedCache "
+                f"(it does every layer), not on layer {self.layer_idx} alone"
             )
 
         def reorder_cache(self, beam_idx) -> None:
-            self._refuse("reorder_cache")
+            self._whole_cache_only("reorder_cache")
 
-        def crop(self, max_length: int) -> None:
-            self._refuse("crop")
+        def crop(self, *args) -> None:
+            self._whole_cache_only("crop")
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            self._refuse("batch_repeat_interleave")
+            self._whole_cache_only("batch_repeat_interleave")
 
         def batch_select_indices(self, indices) -> None:
-            self._refuse("batch_select_indices")
+            self._whole_cache_only("batch_select_indices")
 
     return PagedLayer
 
@@ -268,6 +358,68 @@ def PagedCache(
 
 
 _CACHE_CLASSES: dict = {}
+
+
+def _crop_argument(Cache) -> str:
+    """The name of Cache.crop's argument, which says how transformers reads it: "tokens_to_remove"
+    (5.x: minus the positions to remove) or "max_length" (4.57: positions to keep, or minus those
+    to remove)."""
+    parameters = list(inspect.signature(Cache.crop).parameters)
+    return parameters[1] if len(parameters) > 1 else "max_length"
+
+
+# Cache class -> its crop argument's name (see _crop_argument)
+_CROP_ARGUMENT: dict = {}
+
+
+def _integer_argument(name: str, value) -> int:
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _positions_to_remove(name: str, value, held: int) -> int:
+    """How many positions crop(value) removes from a cache holding `held`; name: transformers'
+    name for the argument (see _crop_argument)."""
+    value = _integer_argument(name, value)
+    if name == "tokens_to_remove":
+        if value > 0:
+            raise ValueError(f"PagedCache.crop: {name} must be <= 0 (minus the number of positions to remove), "
+                             f"got {value}")
+        removed = -value
+    else:
+        removed = -value if value < 0 else max(0, held - value)
+    if removed > held:
+        raise ValueError(f"PagedCache.crop: {name}={value} removes {removed} positions, but the cache holds {held}")
+    return removed
+
+
+def _row_indices(name: str, value, rows: int) -> list[int]:
+    """value (a 1-D integer tensor or a sequence of ints; a bool tensor of one entry per row) as a
+    list of row numbers in [0, rows); rows 0 (an empty cache) checks only the type."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (one entry per row), got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool:
+            if rows and value.numel() != rows:
+                raise ValueError(f"{name}: a bool mask needs one entry per row ({rows}), got {value.numel()}")
+            value = value.nonzero().squeeze(1)
+        elif value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must hold integers, got {value.dtype}")
+        indices = value.tolist()
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        indices = [_integer_argument(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(value).__name__}")
+    if rows and not indices:
+        raise ValueError(f"{name} selects no row; the cache holds {rows}")
+    for i, index in enumerate(indices):
+        if rows and not 0 <= index < rows:
+            raise ValueError(f"{name}[{i}] is {index}, not a row of the cache (rows 0..{rows - 1})")
+    return indices
 
 
 def _check_paged_cache_arguments(page_size, kv_dtype, num_pages, quant_group, collection, dims) -> None:
@@ -346,6 +498,7 @@ def _refuse_different_kv_widths(config) -> None:
 def _paged_cache_class(Cache, CacheLayerMixin):
     if Cache in _CACHE_CLASSES:
         return _CACHE_CLASSES[Cache]
+    _CROP_ARGUMENT[Cache] = _crop_argument(Cache)
     PagedLayer = _make_layer_class(CacheLayerMixin)
 
     class PagedKVTransformersCache(Cache):
@@ -376,6 +529,9 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             self.ragged: _RaggedStep | None = None
             self._step_key = None
             self._step = None
+            # bool [B, positions so far]: which positions of each row are tokens (stored), None when
+            # all are; from the last forward's padding mask, see _batch_step and crop
+            self._kept: torch.Tensor | None = None
 
         # -- bookkeeping shared by all layers of one forward ------------------------------
 
@@ -431,8 +587,9 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             new = _Rows(None if keep is None else keep[:, -q_len:], batch, q_len, key.device)
             stored_before = layer.lengths if layer.lengths is not None else torch.zeros_like(new.counts)
             pool = self._ensure_pool(key, batch, layer.seen + q_len)
-            lookup = pool.reserve((stored_before + new.counts).tolist())
+            lookup = pool.reserve((stored_before + new.counts).tolist(), stored_before.tolist())
             self._step_key, self._step = step_key, (new, stored_before, lookup)
+            self._kept = keep  # the mask covers every position so far: crop reads which were tokens
             return self._step
 
         def attend(self, layer_idx, query, key, value, attention_mask, options) -> torch.Tensor:
@@ -472,7 +629,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                 self._check_batch(layer, batch, 0 if self.pool is None else len(self.pool.row_pages))
             length = layer.seen + new_len
             pool = self._ensure_pool(key, batch, length)
-            lookup = pool.reserve([length] * batch)
+            lookup = pool.reserve([length] * batch, [layer.seen] * batch)
             pages = pool.layer(layer.layer_idx, key.transpose(1, 2), value.transpose(1, 2))
             rows = _Rows(None, batch, new_len, key.device)
             before = torch.full((batch,), layer.seen, dtype=torch.int32, device=key.device)
@@ -507,6 +664,104 @@ def _paged_cache_class(Cache, CacheLayerMixin):
 
         def get_max_cache_shape(self, layer_idx: int = 0) -> int:
             return -1
+
+        # -- rows reordered or cut between forwards: beam search, assisted decoding ----------
+        # Every argument is checked before anything changes: a refused call leaves the cache as it was.
+
+        def reorder_cache(self, beam_idx) -> None:
+            """Beam search: row i continues the history of old row beam_idx[i]. The rows' page lists
+            are copied, not the pages (a row copies a shared page only before writing into it)."""
+            self._refuse_in_continuous_batching("reorder_cache")
+            rows = self._held_rows()
+            sources = _row_indices("beam_idx", beam_idx, rows)
+            if rows and len(sources) != rows:
+                raise ValueError(f"PagedCache.reorder_cache: beam_idx has {len(sources)} entries, but the cache "
+                                 f"holds {rows} rows (one entry per row)")
+            if rows:
+                self._select_rows(sources)
+
+        def batch_select_indices(self, indices) -> None:
+            """Keeps the rows `indices` (in that order; a row may come more than once)."""
+            self._refuse_in_continuous_batching("batch_select_indices")
+            rows = self._held_rows()
+            sources = _row_indices("indices", indices, rows)
+            if rows:
+                self._select_rows(sources)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            """Each row `repeats` times in a row (row b becomes rows b*repeats .. b*repeats+repeats-1)."""
+            self._refuse_in_continuous_batching("batch_repeat_interleave")
+            _check_positive_int("repeats", repeats)
+            rows = self._held_rows()
+            if rows:
+                self._select_rows([row for row in range(rows) for _ in range(repeats)])
+
+        def crop(self, length: int) -> None:
+            """Drops the last positions of every row, as transformers' DynamicCache.crop of the installed
+            line reads its argument: 5.x crop(tokens_to_remove) removes -tokens_to_remove positions (<= 0);
+            4.57 crop(max_length) keeps max_length positions, or removes -max_length when negative.
+            Pages past a row's new end are released."""
+            self._refuse_in_continuous_batching("crop")
+            held = self._held_positions()
+            removed = _positions_to_remove(_CROP_ARGUMENT[Cache], length, held)
+            if not removed:
+                return
+            end = held - removed
+            # tokens stored among the removed positions (padding is not stored), per row
+            tokens = removed if self._kept is None else self._kept[:, end:].sum(dim=1, dtype=torch.int32)
+            for layer in self.layers:
+                layer.seen = end
+                if layer.lengths is not None:
+                    layer.lengths = layer.lengths - tokens
+            if self._kept is not None:
+                self._kept = self._kept[:, :end]
+            if self.pool is not None:
+                self.pool.truncate_rows(self._tokens_per_row())
+            self._forget_step()
+
+        def _tokens_per_row(self) -> list[int]:
+            """The most tokens each row holds in any layer (the pages it needs); a layer that gathers
+            (see PagedLayer.gathers) stores every position of every row."""
+            gathered = max((layer.seen for layer in self.layers if layer.gathers), default=0)
+            stored = [layer.lengths for layer in self.layers if layer.lengths is not None]
+            if not stored:
+                return [gathered] * self._held_rows()
+            return torch.stack(stored).amax(dim=0).clamp(min=gathered).tolist()
+
+        def _held_rows(self) -> int:
+            return 0 if self.pool is None else len(self.pool.row_pages)
+
+        def _held_positions(self) -> int:
+            """Positions every layer holds (seen); the layers agree between forwards."""
+            seen = {layer.seen for layer in self.layers}
+            if len(seen) != 1:
+                raise RuntimeError(f"PagedCache: the layers hold {sorted(seen)} positions; reorder or crop the cache "
+                                   "between forwards, when every layer holds the same positions")
+            return seen.pop()
+
+        def _select_rows(self, sources: list[int]) -> None:
+            """Row i becomes old row sources[i] in every layer: stored lengths, kept positions, pages."""
+            self._held_positions()
+            index = torch.tensor(sources, dtype=torch.int64)
+            for layer in self.layers:
+                if layer.lengths is not None:
+                    layer.lengths = layer.lengths.index_select(0, index.to(layer.lengths.device))
+            if self._kept is not None:
+                self._kept = self._kept.index_select(0, index.to(self._kept.device))
+            self.pool.select_rows(sources)
+            self._forget_step()
+
+        def _forget_step(self) -> None:
+            # The step memo (_batch_step) is keyed on positions and the mask's address: after rows or
+            # positions change, a forward with the same key must not take the old step's rows and pages.
+            self._step_key = self._step = None
+
+        def _refuse_in_continuous_batching(self, what: str) -> None:
+            if self.collection is not None:
+                raise NotImplementedError(
+                    f"PagedCache(collection=...) does not support {what}: its rows and pages belong to the "
+                    "continuous-batching page manager (generate_batch); use PagedCache(model) with model.generate"
+                )
 
     _CACHE_CLASSES[Cache] = PagedKVTransformersCache
     return PagedKVTransformersCache
