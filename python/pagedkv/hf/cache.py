@@ -210,7 +210,7 @@ class _Pool:
         for pages in self.row_pages:
             self._release(pages)
         self.row_pages = rows
-        self.lookup_table = None
+        self._build_lookup_table()
 
     def truncate_rows(self, row_lengths: Sequence[int]) -> None:
         """Each row keeps the pages its first row_lengths[b] tokens lie in; the rest are released."""
@@ -218,7 +218,7 @@ class _Pool:
             keep = -(-length // self.page_size)
             self._release(pages[keep:])
             del pages[keep:]
-        self.lookup_table = None
+        self._build_lookup_table()
 
     def _build_lookup_table(self) -> torch.Tensor:
         width = max(1, max((len(p) for p in self.row_pages), default=0))

@@ -1,0 +1,455 @@
+"""PagedCache under beam search and assisted decoding: generate's sequences equal transformers'
+default cache with sdpa; the pool's shared pages (reference counts, copy on write, free list)
+against a plain per-row reference through random reorders, crops and steps; and the refusals of
+arguments the cache cannot take, which leave it unchanged."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from hf_helpers import *  # noqa: F403  (transformers, pagedkv.hf as phf, ref and the shared helpers)
+
+from pagedkv.hf import cache as paged_cache  # noqa: E402
+
+PAGE_SIZES = [1, 4, 16]
+# transformers' crop argument on this line: "tokens_to_remove" (5.x) or "max_length" (4.57)
+CROP_ARGUMENT = paged_cache._crop_argument(transformers.cache_utils.Cache)
+
+
+def spy(cache, method):
+    """Records the arguments of every call of cache.<method> (then calls it)."""
+    calls = []
+    original = getattr(cache, method)
+
+    def recording(argument):
+        calls.append(argument.clone() if isinstance(argument, torch.Tensor) else argument)
+        return original(argument)
+
+    setattr(cache, method, recording)
+    return calls
+
+
+# ---- beam search: the sequences of transformers' default cache ---------------------------------
+
+BEAM_PROMPTS = {"unpadded": [6, 6], "left-padded": [9, 3, 6]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("prompts", sorted(BEAM_PROMPTS))
+def test_beam_search_sequences_identical_to_sdpa(saved_models, family, page_size, prompts):
+    """num_beams 2 and 4 (4 with num_return_sequences=2): every returned sequence equals the default
+    cache's with sdpa, and the beams were reordered (not only kept in place) along the way."""
+    path = saved_models[family]
+    ids, mask = left_padded(BEAM_PROMPTS[prompts], seed=page_size)
+    sdpa, model = load(path, "sdpa"), load(path, "pagedkv")
+    for beams, returned in [(2, 1), (4, 2)]:
+        options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                       num_beams=beams, num_return_sequences=returned)
+        cache = phf.PagedCache(model, page_size=page_size)
+        reorders = spy(cache, "reorder_cache")
+        with torch.inference_mode():
+            expected = sdpa.generate(**options)
+            got = model.generate(**options, **{phf._cache_argument(model): cache})
+        assert torch.equal(got, expected), f"num_beams={beams}"
+        rows = ids.shape[0] * beams
+        assert reorders and any(not torch.equal(idx, torch.arange(rows)) for idx in reorders)
+        check_pool(cache.pool)
+
+
+def test_beam_search_bfloat16_identical_to_sdpa(saved_models):
+    path = saved_models["llama"]
+    ids, mask = left_padded([7, 4], seed=2)
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                   num_beams=3)
+    model = load(path, "pagedkv", torch.bfloat16)
+    with torch.inference_mode():
+        expected = load(path, "sdpa", torch.bfloat16).generate(**options)
+        got = model.generate(**options, **paged_cache_argument(model, page_size=4))
+    assert torch.equal(got, expected)
+
+
+def test_long_beam_search_reuses_pages(saved_models, monkeypatch):
+    """30 steps of 4 beams over 2 left-padded prompts: the pool never hands out more pages than the
+    rows hold at once (freed pages are taken again: without the free list every step's copies of
+    shared last pages would add pages), and the reference counts match the rows' page lists."""
+    path = saved_models["llama"]
+    ids, mask = left_padded([5, 2], seed=4)
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                   num_beams=4)
+    model = load(path, "pagedkv")
+    cache = phf.PagedCache(model, page_size=4)
+    taken = []
+    original_take = paged_cache._Pool._take
+
+    def counting_take(pool, count):
+        taken.append(count)
+        return original_take(pool, count)
+
+    monkeypatch.setattr(paged_cache._Pool, "_take", counting_take)
+    with torch.inference_mode():
+        expected = load(path, "sdpa").generate(**options)
+        got = model.generate(**options, **{phf._cache_argument(model): cache})
+    assert torch.equal(got, expected)
+    pool = cache.pool
+    rows, longest = 2 * 4, ids.shape[1] + 30
+    most_held = rows * -(-longest // 4)  # every row holding its own pages, none shared
+    assert pool.next_free <= most_held, f"{pool.next_free} pages handed out, the rows hold at most {most_held}"
+    assert sum(taken) > pool.next_free, "no page was ever taken from the free list"
+    check_pool(pool)
+
+
+# ---- assisted decoding: greedy tokens ---------------------------------------------------------------
+
+ASSIST_PROMPTS = {
+    "unpadded": ([5, 9, 12, 5, 9, 12, 5, 9, 12, 5, 9], 0),
+    "left-padded": ([5, 9, 12, 5, 9, 12, 5, 9], 3),
+}
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("prompt", sorted(ASSIST_PROMPTS))
+@pytest.mark.parametrize("assistant", ["model", "prompt_lookup"])
+def test_assisted_decoding_tokens_identical_to_greedy_sdpa(saved_models, page_size, prompt, assistant):
+    """A draft model (mistral for a llama: many drafts rejected) or prompt lookup proposes tokens;
+    the PagedCache is cropped back over the rejected ones, and the tokens equal plain greedy sdpa."""
+    path = saved_models["llama"]
+    tokens, padding = ASSIST_PROMPTS[prompt]
+    ids = torch.tensor([[0] * padding + tokens])
+    mask = torch.tensor([[0] * padding + [1] * len(tokens)])
+    expected = greedy(load(path, "sdpa"), ids, mask, 16)
+    model = load(path, "pagedkv")
+    cache = phf.PagedCache(model, page_size=page_size)
+    crops = []  # (positions held before, after) of each crop
+    crop = cache.crop
+
+    def recording_crop(argument):
+        before = cache.get_seq_length()
+        crop(argument)
+        crops.append((before, cache.get_seq_length()))
+
+    cache.crop = recording_crop
+    if assistant == "model":
+        extra = {"assistant_model": load(saved_models["mistral"], "sdpa")}
+    else:
+        extra = {"prompt_lookup_num_tokens": 3}
+    got = greedy(model, ids, mask, 16, **extra, **{phf._cache_argument(model): cache})
+    assert torch.equal(got, expected)
+    assert any(after < before for before, after in crops), "no draft was rejected: crop never removed a position"
+    check_pool(cache.pool)
+    assert cache.layers[0].lengths.tolist() == [cache.get_seq_length() - padding]
+
+
+# ---- the pool against a per-row reference --------------------------------------------------------------
+
+
+def check_pool(pool):
+    """Reference counts equal the rows' page lists; the free list is exactly the pages handed out
+    that no row holds (each once); the lookup table lists each row's pages."""
+    held = collections.Counter(page for pages in pool.row_pages for page in pages)
+    assert len(pool.refs) == pool.next_free
+    for page in range(pool.next_free):
+        assert pool.refs[page] == held.get(page, 0), f"page {page}: refs {pool.refs[page]}, held {held.get(page, 0)}"
+    assert len(set(pool.free)) == len(pool.free)
+    assert set(pool.free) == {page for page in range(pool.next_free) if pool.refs[page] == 0}
+    assert max(held, default=-1) < pool.next_free <= pool.num_pages
+    table = pool.lookup_table
+    assert table.size(0) == len(pool.row_pages)
+    for row, pages in enumerate(pool.row_pages):
+        assert table[row, : len(pages)].tolist() == pages
+
+
+OPTIONS = {"scale": 0.25, "causal": True, "window_left": -1, "softcap": 0.0}
+
+
+class ReferenceRows:
+    """What each row of each layer holds, kept plainly: per row the positions (True = a token) and
+    per layer and row the stored tokens' K and V in order."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.positions = []  # per row: list of bool
+        self.k = [[] for _ in range(layers)]  # [layer][row]: list of [Hk, D]
+        self.v = [[] for _ in range(layers)]
+
+    def select(self, sources):
+        self.positions = [list(self.positions[s]) for s in sources]
+        for layer in range(self.layers):
+            self.k[layer] = [list(self.k[layer][s]) for s in sources]
+            self.v[layer] = [list(self.v[layer][s]) for s in sources]
+
+    def crop(self, count):
+        for row, positions in enumerate(self.positions):
+            tokens = sum(positions[len(positions) - count:])
+            del positions[len(positions) - count:]
+            for layer in range(self.layers):
+                del self.k[layer][row][len(self.k[layer][row]) - tokens:]
+                del self.v[layer][row][len(self.v[layer][row]) - tokens:]
+
+
+def attend_reference(query, keys, values, scale):
+    """Causal attention of query [c, Hq, D] (the last c of the row's tokens) over keys/values [n, Hk, D]."""
+    n, c = keys.size(0), query.size(0)
+    group = query.size(1) // keys.size(1)
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, c, n]
+    scores = scores + torch.full((c, n), float("-inf"), dtype=torch.float64).triu(n - c + 1)
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)  # [c, Hq, D]
+
+
+def forward_step(cache, reference, new_positions, gen):
+    """One forward of every layer over new_positions (bool [B, q], True = a token) with random
+    Q/K/V; checks each layer's output against the reference and records what it stores."""
+    batch, q_len = new_positions.shape
+    for row in range(batch):
+        reference.positions[row].extend(new_positions[row].tolist())
+    mask = torch.tensor(reference.positions, dtype=torch.bool)  # transformers' mask: every position so far
+    for layer in range(reference.layers):
+        query = torch.randn(batch, 4, q_len, 16, generator=gen)
+        key, value = torch.randn(batch, 2, q_len, 16, generator=gen), torch.randn(batch, 2, q_len, 16, generator=gen)
+        out = cache.attend(layer, query, key, value, mask, dict(OPTIONS))  # [B, q, Hq, D]
+        for row in range(batch):
+            kept = new_positions[row].nonzero().squeeze(1)
+            reference.k[layer][row].extend(key[row, :, kept].transpose(0, 1).unbind(0))
+            reference.v[layer][row].extend(value[row, :, kept].transpose(0, 1).unbind(0))
+            if not kept.numel():
+                continue
+            expected = attend_reference(query[row, :, kept].transpose(0, 1), torch.stack(reference.k[layer][row]),
+                                        torch.stack(reference.v[layer][row]), OPTIONS["scale"])
+            torch.testing.assert_close(out[row, kept].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def check_stored(cache, reference):
+    """Every layer's stored K/V of every row equal the reference's (read through the lookup table)."""
+    pool = cache.pool
+    for layer in range(reference.layers):
+        state = cache.layers[layer]
+        counts = [len(tokens) for tokens in reference.k[layer]]
+        assert state.lengths.tolist() == counts, f"layer {layer} lengths"
+        assert state.seen == len(reference.positions[0])
+        k, v = pool.layers[layer].gather(pool.lookup_table, state.lengths, torch.float32)
+        for name, stored, tokens in (("K", k, reference.k[layer]), ("V", v, reference.v[layer])):
+            expected = torch.cat([torch.stack(row) if row else stored[:0] for row in tokens])
+            assert torch.equal(stored, expected), f"layer {layer} {name} differs from the reference"
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shared_pages_match_a_plain_reference(page_size, seed):
+    """Random forwards (left padding, padding holes later on), reorders, crops, row selections and
+    repeats straight on a PagedCache: after each, every row's stored K/V in every layer equal a plain
+    per-row reference, each forward's attention equals attention over the reference's rows (so a
+    row's writes never reached a page another row still reads), the pool's counts are consistent and
+    it never hands out more pages than the rows held at once."""
+    gen = torch.Generator().manual_seed(seed)
+    config = small_config("llama")  # 3 layers, 4 query heads over 2 KV heads of 16
+    cache = phf.PagedCache(config, page_size=page_size, kv_dtype=torch.float32)
+    reference = ReferenceRows(config.num_hidden_layers)
+    batch, prompt = 3, 7
+    reference.positions = [[] for _ in range(batch)]
+    reference.k = [[[] for _ in range(batch)] for _ in range(reference.layers)]
+    reference.v = [[[] for _ in range(batch)] for _ in range(reference.layers)]
+    padding = torch.tensor([0, 4, 2])
+    forward_step(cache, reference, torch.arange(prompt) >= padding[:, None], gen)
+    most_live, done = cache.pool.next_free, collections.Counter()
+    for _ in range(60):
+        batch = len(reference.positions)
+        seen = len(reference.positions[0])
+        operation = ["step", "step", "reorder", "crop", "select", "repeat"][int(torch.randint(6, (1,), generator=gen))]
+        if operation == "step":
+            q_len = int(torch.randint(1, 4, (1,), generator=gen))
+            new = torch.rand(batch, q_len, generator=gen) > 0.15  # now and then a padding hole
+            forward_step(cache, reference, new, gen)
+        elif operation == "reorder":
+            beam_idx = torch.randint(batch, (batch,), generator=gen)
+            cache.reorder_cache(beam_idx)
+            reference.select(beam_idx.tolist())
+        elif operation == "crop" and seen > 1:
+            count = int(torch.randint(1, min(seen, 6), (1,), generator=gen))
+            cache.crop(-count)
+            reference.crop(count)
+        elif operation == "select":
+            indices = torch.randint(batch, (int(torch.randint(1, min(batch + 2, 6), (1,), generator=gen)),),
+                                    generator=gen)
+            cache.batch_select_indices(indices)
+            reference.select(indices.tolist())
+        elif operation == "repeat" and batch <= 2:
+            cache.batch_repeat_interleave(2)
+            reference.select([row for row in range(batch) for _ in range(2)])
+        else:
+            continue
+        done[operation] += 1
+        check_pool(cache.pool)
+        check_stored(cache, reference)
+        most_live = max(most_live, len({p for pages in cache.pool.row_pages for p in pages}))
+        assert cache.pool.next_free <= most_live, "a page was cut from the pool while freed pages were left"
+    assert min(done[name] for name in ("step", "reorder", "crop", "select")) >= 3, done
+
+
+def test_a_shared_page_is_copied_before_a_write_and_full_pages_stay_shared():
+    """Two rows made of one: the pages both hold full stay shared (one id), the partly filled last
+    page is copied for the first row that writes into it (the other keeps the page), and the page
+    no row holds after a reorder goes to the free list and is taken next."""
+    gen = torch.Generator().manual_seed(3)
+    config = small_config("llama")
+    cache = phf.PagedCache(config, page_size=4, kv_dtype=torch.float32)
+    reference = ReferenceRows(config.num_hidden_layers)
+    reference.positions = [[]]
+    reference.k = [[[]] for _ in range(3)]
+    reference.v = [[[]] for _ in range(3)]
+    forward_step(cache, reference, torch.ones(1, 6, dtype=torch.bool), gen)  # pages: 4 + 2 tokens
+    cache.batch_repeat_interleave(2)
+    reference.select([0, 0])
+    first, last = cache.pool.row_pages[0]
+    assert cache.pool.row_pages == [[first, last], [first, last]] and cache.pool.refs[last] == 2
+    forward_step(cache, reference, torch.ones(2, 1, dtype=torch.bool), gen)
+    copied = cache.pool.row_pages[0][1]
+    assert copied != last and cache.pool.row_pages == [[first, copied], [first, last]]
+    assert (cache.pool.refs[first], cache.pool.refs[last], cache.pool.refs[copied]) == (2, 1, 1)
+    check_stored(cache, reference)
+    cache.reorder_cache(torch.tensor([1, 1]))  # row 0's copy is held by no row now
+    reference.select([1, 1])
+    assert cache.pool.free == [copied]
+    forward_step(cache, reference, torch.ones(2, 1, dtype=torch.bool), gen)
+    assert cache.pool.row_pages[0][1] == copied and cache.pool.free == []  # taken back, the pool did not grow
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+
+
+def test_crop_releases_the_pages_past_the_new_end():
+    gen = torch.Generator().manual_seed(5)
+    config = small_config("llama")
+    cache = phf.PagedCache(config, page_size=2, kv_dtype=torch.float32)
+    reference = ReferenceRows(config.num_hidden_layers)
+    reference.positions = [[], []]
+    reference.k = [[[], []] for _ in range(3)]
+    reference.v = [[[], []] for _ in range(3)]
+    forward_step(cache, reference, torch.tensor([[True] * 9, [False] * 4 + [True] * 5]), gen)
+    assert [len(p) for p in cache.pool.row_pages] == [5, 3]
+    cache.crop(-4)  # row 0 keeps 5 tokens (3 pages), row 1 keeps 1 (1 page)
+    reference.crop(4)
+    assert [len(p) for p in cache.pool.row_pages] == [3, 1] and len(cache.pool.free) == 4
+    assert cache.get_seq_length() == 5 and cache.layers[2].lengths.tolist() == [5, 1]
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+    forward_step(cache, reference, torch.ones(2, 3, dtype=torch.bool), gen)  # the freed pages come back
+    assert cache.pool.next_free == 8
+    check_stored(cache, reference)
+    if CROP_ARGUMENT == "max_length":  # 4.57: crop(max_length) keeps max_length positions
+        cache.crop(6)
+        reference.crop(2)
+        check_stored(cache, reference)
+        cache.crop(100)  # already shorter: nothing changes
+        check_stored(cache, reference)
+    else:
+        cache.crop(0)  # 5.x: crop(0) removes nothing
+        check_stored(cache, reference)
+
+
+# ---- arguments the cache cannot take: refused by name, nothing changed ---------------------------------
+
+
+def filled_cache(rows=3):
+    gen = torch.Generator().manual_seed(8)
+    config = small_config("llama")
+    cache = phf.PagedCache(config, page_size=4, kv_dtype=torch.float32)
+    reference = ReferenceRows(config.num_hidden_layers)
+    reference.positions = [[] for _ in range(rows)]
+    reference.k = [[[] for _ in range(rows)] for _ in range(3)]
+    reference.v = [[[] for _ in range(rows)] for _ in range(3)]
+    forward_step(cache, reference, torch.arange(6) >= torch.tensor([0, 2, 5][:rows])[:, None], gen)
+    cache.reorder_cache(torch.tensor([0, 0, 1][:rows]))  # some pages shared
+    reference.select([0, 0, 1][:rows])
+    return cache, reference
+
+
+def snapshot(cache):
+    pool = cache.pool
+    return (copy.deepcopy((pool.row_pages, pool.refs, pool.free, pool.next_free, pool.num_pages)),
+            pool.lookup_table.clone(), [(layer.seen, layer.lengths.clone()) for layer in cache.layers],
+            None if cache._kept is None else cache._kept.clone())
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+REFUSED_CALLS = [
+    ("reorder_cache", torch.tensor([0, 1]), ValueError, r"beam_idx has 2 entries, but the cache holds 3 rows"),
+    ("reorder_cache", torch.tensor([0, 1, 3]), ValueError, r"beam_idx\[2\] is 3, not a row of the cache \(rows 0..2\)"),
+    ("reorder_cache", torch.tensor([0, -1, 1]), ValueError, r"beam_idx\[1\] is -1, not a row"),
+    ("reorder_cache", torch.tensor([0.0, 1.0, 2.0]), TypeError, r"beam_idx must hold integers, got torch.float32"),
+    ("reorder_cache", torch.zeros(3, 1, dtype=torch.int64), ValueError, r"beam_idx must be 1-D"),
+    ("reorder_cache", 2, TypeError, r"beam_idx must be a 1-D integer tensor or a sequence of ints, got int"),
+    ("reorder_cache", [0, True, 1], TypeError, r"beam_idx\[1\] must be an int, got bool"),
+    ("batch_select_indices", torch.tensor([], dtype=torch.int64), ValueError, r"indices selects no row"),
+    ("batch_select_indices", [4], ValueError, r"indices\[0\] is 4, not a row"),
+    ("batch_select_indices", torch.tensor([True, False]), ValueError, r"indices: a bool mask needs one entry per row"),
+    ("batch_repeat_interleave", 0, ValueError, r"repeats must be >= 1, got 0"),
+    ("batch_repeat_interleave", 2.0, TypeError, r"repeats must be an int"),
+    ("batch_repeat_interleave", True, TypeError, r"repeats must be an int"),
+    ("crop", -7, ValueError, rf"{CROP_ARGUMENT}=-7 removes 7 positions, but the cache holds 6"),
+    ("crop", 1.5, TypeError, rf"{CROP_ARGUMENT} must be an int, got float"),
+    ("crop", False, TypeError, rf"{CROP_ARGUMENT} must be an int, got bool"),
+]
+if CROP_ARGUMENT == "tokens_to_remove":
+    REFUSED_CALLS.append(("crop", 2, ValueError, r"tokens_to_remove must be <= 0 \(minus the number of positions"))
+
+
+@pytest.mark.parametrize("method,argument,error,match", REFUSED_CALLS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(REFUSED_CALLS)])
+def test_refused_arguments_name_the_argument_and_change_nothing(method, argument, error, match):
+    cache, reference = filled_cache()
+    before = snapshot(cache)
+    with pytest.raises(error, match=match):
+        getattr(cache, method)(argument)
+    assert same(snapshot(cache), before)
+    check_stored(cache, reference)
+
+
+def test_taken_arguments_of_other_kinds():
+    """A bool mask (one entry per row) and a list select rows as index tensors do."""
+    cache, reference = filled_cache()
+    cache.batch_select_indices(torch.tensor([True, False, True]))
+    reference.select([0, 2])
+    check_stored(cache, reference)
+    cache.reorder_cache([1, 0])
+    reference.select([1, 0])
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+
+
+def test_one_layer_alone_and_continuous_batching_are_refused(saved_models):
+    cache, _ = filled_cache()
+    for method, argument in [("reorder_cache", torch.tensor([0, 1, 2])), ("crop", -1), ("batch_repeat_interleave", 2),
+                             ("batch_select_indices", torch.tensor([0]))]:
+        with pytest.raises(NotImplementedError, match=rf"call {method} on the PagedCache .*not on layer 1 alone"):
+            getattr(cache.layers[1], method)(argument)
+    model = load(saved_models["llama"], "pagedkv")
+    collection = phf.PagedKVCacheCollection(4, 3, 16, 2, 16, dtype=torch.float32)
+    ragged = phf.PagedCache(model, kv_dtype=torch.float32, collection=collection)
+    with pytest.raises(NotImplementedError, match=r"PagedCache\(collection=...\) does not support reorder_cache"):
+        ragged.reorder_cache(torch.tensor([0]))
+
+
+def test_an_empty_cache_takes_the_calls_as_no_ops(saved_models):
+    """Before the first forward (and after reset) there are no rows: like transformers' DynamicCache,
+    reordering or repeating changes nothing; the argument's type is still checked."""
+    cache = phf.PagedCache(small_config("llama"), page_size=4)
+    cache.reorder_cache(torch.tensor([0, 0]))
+    cache.batch_repeat_interleave(3)
+    cache.crop(0)
+    with pytest.raises(TypeError, match="beam_idx must hold integers"):
+        cache.reorder_cache(torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=rf"{CROP_ARGUMENT}=-1 removes 1 positions, but the cache holds 0"):
+        cache.crop(-1)
+    assert cache.pool is None and cache.get_seq_length() == 0
