@@ -21,7 +21,7 @@ CROP_ARGUMENT = paged_cache._crop_argument(transformers.cache_utils.Cache)
 
 
 def spy(cache, method):
-    """Records the arguments of every call of cache.<method> (then calls it)."""
+    """Records the argument of every call of cache.<method> (then calls it)."""
     calls = []
     original = getattr(cache, method)
 
@@ -31,6 +31,20 @@ def spy(cache, method):
 
     setattr(cache, method, recording)
     return calls
+
+
+def record_crops(cache):
+    """Records (positions held before, after) of each cache.crop call."""
+    crops = []
+    crop = cache.crop
+
+    def recording_crop(argument):
+        before = cache.get_seq_length()
+        crop(argument)
+        crops.append((before, cache.get_seq_length()))
+
+    cache.crop = recording_crop
+    return crops
 
 
 # ---- beam search: the sequences of transformers' default cache ---------------------------------
@@ -125,15 +139,7 @@ def test_assisted_decoding_tokens_identical_to_greedy_sdpa(saved_models, page_si
     expected = greedy(load(path, "sdpa"), ids, mask, 16, stop_at_eos=True)
     model = load(path, "pagedkv")
     cache = phf.PagedCache(model, page_size=page_size)
-    crops = []  # (positions held before, after) of each crop
-    crop = cache.crop
-
-    def recording_crop(argument):
-        before = cache.get_seq_length()
-        crop(argument)
-        crops.append((before, cache.get_seq_length()))
-
-    cache.crop = recording_crop
+    crops = record_crops(cache)
     if assistant == "model":
         extra = {"assistant_model": load(saved_models["mistral"], "sdpa")}
     else:
@@ -454,3 +460,43 @@ def test_an_empty_cache_takes_the_calls_as_no_ops(saved_models):
     with pytest.raises(ValueError, match=rf"{CROP_ARGUMENT}=-1 removes 1 positions, but the cache holds 0"):
         cache.crop(-1)
     assert cache.pool is None and cache.get_seq_length() == 0
+
+
+# ---- layers that gather (store every position, hand back their history) ----------------------------
+
+
+def diffllama(implementation):
+    config = transformers.DiffLlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.2)
+    return model
+
+
+def test_gathering_layers_under_beam_search_and_prompt_lookup():
+    """DiffLlama rearranges V after the cache, so its PagedCache layers gather (see
+    PagedLayer.gathers: every position stored, padding included): beam search over a left-padded
+    batch and prompt lookup decoding give eager's sequences there too."""
+    refused = phf.attention.refused_architecture_message(transformers.DiffLlamaForCausalLM)
+    if refused:  # 4.57's DiffLlama does not call the attention interface
+        pytest.skip(refused)
+    eager, model = diffllama("eager"), diffllama("pagedkv")
+    ids, mask = left_padded([7, 4], seed=2)
+    beam = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                num_beams=3, num_return_sequences=2)
+    lookup = dict(input_ids=torch.tensor([[5, 9, 12, 5, 9, 12, 5, 9, 12]]), max_new_tokens=12, do_sample=False)
+    for options, extra in [(beam, {}), (lookup, {"prompt_lookup_num_tokens": 3})]:
+        cache = phf.PagedCache(model, page_size=4)
+        crops = record_crops(cache)
+        with torch.inference_mode():
+            expected = eager.generate(**options)
+            got = model.generate(**options, **extra, **{phf._cache_argument(model): cache})
+        assert torch.equal(got, expected), list(extra)
+        assert not extra or any(after < before for before, after in crops), "no draft was rejected"
+        assert all(layer.gathers for layer in cache.layers)
+        check_pool(cache.pool)

@@ -18,8 +18,9 @@ Four ways the attention implementation runs, told apart per call:
 
 The attention mask is transformers' 2-D padding mask (the mask function registered with the
 implementation is the one flash attention uses), so rows may be padded on either side.
-Beam search, assisted decoding and cache cropping need page copies this cache does not do yet;
-``PagedCache`` refuses them with an error instead of returning wrong tokens.
+Beam search and assisted decoding work on ``PagedCache``: rows share pages (reference counts,
+copy on write of a shared page before a row writes into it, a free list of released pages), and
+``crop`` releases the pages past the rows' new ends.
 
 4. **varlen** (transformers' own ``generate_batch``, 5.x): its scheduler and paged cache, whose
    per-step packed K/V (``cu_seq_lens_q/k``) are attended with ``flash_attn_paged``. Its manager

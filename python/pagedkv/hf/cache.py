@@ -587,7 +587,8 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             new = _Rows(None if keep is None else keep[:, -q_len:], batch, q_len, key.device)
             stored_before = layer.lengths if layer.lengths is not None else torch.zeros_like(new.counts)
             pool = self._ensure_pool(key, batch, layer.seen + q_len)
-            lookup = pool.reserve((stored_before + new.counts).tolist(), stored_before.tolist())
+            before, after = torch.stack((stored_before, stored_before + new.counts)).tolist()  # one device read
+            lookup = pool.reserve(after, before)
             self._step_key, self._step = step_key, (new, stored_before, lookup)
             self._kept = keep  # the mask covers every position so far: crop reads which were tokens
             return self._step
