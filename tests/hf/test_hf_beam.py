@@ -177,11 +177,11 @@ class ReferenceRows:
     """What each row of each layer holds, kept plainly: per row the positions (True = a token) and
     per layer and row the stored tokens' K and V in order."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, rows):
         self.layers = layers
-        self.positions = []  # per row: list of bool
-        self.k = [[] for _ in range(layers)]  # [layer][row]: list of [Hk, D]
-        self.v = [[] for _ in range(layers)]
+        self.positions = [[] for _ in range(rows)]  # per row: list of bool
+        self.k = [[[] for _ in range(rows)] for _ in range(layers)]  # [layer][row]: list of [Hk, D]
+        self.v = [[[] for _ in range(rows)] for _ in range(layers)]
 
     def select(self, sources):
         self.positions = [list(self.positions[s]) for s in sources]
@@ -231,6 +231,14 @@ def forward_step(cache, reference, new_positions, gen):
             torch.testing.assert_close(out[row, kept].double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def empty_cache_and_reference(page_size, rows):
+    """A PagedCache (float32 pages) for the tiny llama config (3 layers, 4 query heads over 2 KV heads
+    of 16), driven straight through its attend, and a reference of rows holding nothing."""
+    config = small_config("llama")
+    cache = phf.PagedCache(config, page_size=page_size, kv_dtype=torch.float32)
+    return cache, ReferenceRows(config.num_hidden_layers, rows)
+
+
 def check_stored(cache, reference):
     """Every layer's stored K/V of every row equal the reference's (read through the lookup table)."""
     pool = cache.pool
@@ -254,15 +262,9 @@ def test_shared_pages_match_a_plain_reference(page_size, seed):
     row's writes never reached a page another row still reads), the pool's counts are consistent and
     it never hands out more pages than the rows held at once."""
     gen = torch.Generator().manual_seed(seed)
-    config = small_config("llama")  # 3 layers, 4 query heads over 2 KV heads of 16
-    cache = phf.PagedCache(config, page_size=page_size, kv_dtype=torch.float32)
-    reference = ReferenceRows(config.num_hidden_layers)
-    batch, prompt = 3, 7
-    reference.positions = [[] for _ in range(batch)]
-    reference.k = [[[] for _ in range(batch)] for _ in range(reference.layers)]
-    reference.v = [[[] for _ in range(batch)] for _ in range(reference.layers)]
+    cache, reference = empty_cache_and_reference(page_size, rows=3)
     padding = torch.tensor([0, 4, 2])
-    forward_step(cache, reference, torch.arange(prompt) >= padding[:, None], gen)
+    forward_step(cache, reference, torch.arange(7) >= padding[:, None], gen)
     most_live, done = cache.pool.next_free, collections.Counter()
     for _ in range(60):
         batch = len(reference.positions)
@@ -303,12 +305,7 @@ def test_a_shared_page_is_copied_before_a_write_and_full_pages_stay_shared():
     page is copied for the first row that writes into it (the other keeps the page), and the page
     no row holds after a reorder goes to the free list and is taken next."""
     gen = torch.Generator().manual_seed(3)
-    config = small_config("llama")
-    cache = phf.PagedCache(config, page_size=4, kv_dtype=torch.float32)
-    reference = ReferenceRows(config.num_hidden_layers)
-    reference.positions = [[]]
-    reference.k = [[[]] for _ in range(3)]
-    reference.v = [[[]] for _ in range(3)]
+    cache, reference = empty_cache_and_reference(4, rows=1)
     forward_step(cache, reference, torch.ones(1, 6, dtype=torch.bool), gen)  # pages: 4 + 2 tokens
     cache.batch_repeat_interleave(2)
     reference.select([0, 0])
@@ -330,12 +327,7 @@ def test_a_shared_page_is_copied_before_a_write_and_full_pages_stay_shared():
 
 def test_crop_releases_the_pages_past_the_new_end():
     gen = torch.Generator().manual_seed(5)
-    config = small_config("llama")
-    cache = phf.PagedCache(config, page_size=2, kv_dtype=torch.float32)
-    reference = ReferenceRows(config.num_hidden_layers)
-    reference.positions = [[], []]
-    reference.k = [[[], []] for _ in range(3)]
-    reference.v = [[[], []] for _ in range(3)]
+    cache, reference = empty_cache_and_reference(2, rows=2)
     forward_step(cache, reference, torch.tensor([[True] * 9, [False] * 4 + [True] * 5]), gen)
     assert [len(p) for p in cache.pool.row_pages] == [5, 3]
     cache.crop(-4)  # row 0 keeps 5 tokens (3 pages), row 1 keeps 1 (1 page)
@@ -361,17 +353,13 @@ def test_crop_releases_the_pages_past_the_new_end():
 # ---- arguments the cache cannot take: refused by name, nothing changed ---------------------------------
 
 
-def filled_cache(rows=3):
+def filled_cache():
+    """Three left-padded rows of 6 positions, the first two sharing their pages."""
     gen = torch.Generator().manual_seed(8)
-    config = small_config("llama")
-    cache = phf.PagedCache(config, page_size=4, kv_dtype=torch.float32)
-    reference = ReferenceRows(config.num_hidden_layers)
-    reference.positions = [[] for _ in range(rows)]
-    reference.k = [[[] for _ in range(rows)] for _ in range(3)]
-    reference.v = [[[] for _ in range(rows)] for _ in range(3)]
-    forward_step(cache, reference, torch.arange(6) >= torch.tensor([0, 2, 5][:rows])[:, None], gen)
-    cache.reorder_cache(torch.tensor([0, 0, 1][:rows]))  # some pages shared
-    reference.select([0, 0, 1][:rows])
+    cache, reference = empty_cache_and_reference(4, rows=3)
+    forward_step(cache, reference, torch.arange(6) >= torch.tensor([0, 2, 5])[:, None], gen)
+    cache.reorder_cache(torch.tensor([0, 0, 1]))
+    reference.select([0, 0, 1])
     return cache, reference
 
 

@@ -350,7 +350,9 @@ def PagedCache(
     kv_dtype: cache dtype (default: the model's dtype; float8_e4m3fn / float8_e5m2 quantize
     per token, head and ``quant_group`` channels). num_pages: initial pool (default: enough for
     the first step; the pool doubles when full). collection: use these pages instead (ragged mode).
-    The model must use ``attn_implementation="pagedkv"``.
+    The model must use ``attn_implementation="pagedkv"``. Beam search and assisted decoding work:
+    rows share pages (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) and
+    ``crop`` releases the pages past the rows' new ends (see ``_Pool``).
     """
     Cache, CacheLayerMixin = _transformers_cache_classes()
     cls = _paged_cache_class(Cache, CacheLayerMixin)
