@@ -75,14 +75,16 @@ def test_beam_search_sequences_identical_to_sdpa(saved_models, family, page_size
         check_pool(cache.pool)
 
 
-def test_beam_search_bfloat16_identical_to_sdpa(saved_models):
+def test_beam_search_bfloat16_identical_to_the_default_cache(saved_models):
+    """bf16 pages through reorders and copies. The reference is the same attention over transformers'
+    default cache: against sdpa, bf16 beams could part at a near tie on another CPU kernel path (AMX)."""
     path = saved_models["llama"]
     ids, mask = left_padded([7, 4], seed=2)
     options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                    num_beams=3)
     model = load(path, "pagedkv", torch.bfloat16)
     with torch.inference_mode():
-        expected = load(path, "sdpa", torch.bfloat16).generate(**options)
+        expected = model.generate(**options)
         got = model.generate(**options, **paged_cache_argument(model, page_size=4))
     assert torch.equal(got, expected)
 
