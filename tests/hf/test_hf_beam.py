@@ -490,3 +490,35 @@ def test_gathering_layers_under_beam_search_and_prompt_lookup():
         assert not extra or any(after < before for before, after in crops), "no draft was rejected"
         assert all(layer.gathers for layer in cache.layers)
         check_pool(cache.pool)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_pages_are_copied_with_their_scales(kv_dtype):
+    """An FP8 PagedCache's copy on write copies each page's scales with its codes: after two rows made
+    of one both store a token into their shared last page, both rows still read the first row's
+    history exactly (a copy without its scales would read the codes at scale 1)."""
+    gen = torch.Generator().manual_seed(5)
+    config = small_config("llama")
+    cache = phf.PagedCache(config, page_size=4, kv_dtype=kv_dtype)
+
+    def step(batch, q_len):
+        mask = torch.ones(batch, cache.get_seq_length() + q_len, dtype=torch.bool)
+        for layer in range(config.num_hidden_layers):
+            query = 4 * torch.randn(batch, 4, q_len, 16, generator=gen)
+            key, value = (4 * torch.randn(batch, 2, q_len, 16, generator=gen) for _ in range(2))
+            cache.attend(layer, query, key, value, mask, dict(OPTIONS))
+
+    def stored(layer):
+        pool = cache.pool
+        return pool.layers[layer].gather(pool.lookup_table, cache.layers[layer].lengths, torch.float32)
+
+    step(1, 6)  # one row, pages of 4 + 2 tokens
+    before = [stored(layer) for layer in range(config.num_hidden_layers)]
+    cache.batch_repeat_interleave(2)
+    step(2, 1)  # both rows write into the shared last page: the first to write gets a copy
+    assert cache.pool.row_pages[0][1] != cache.pool.row_pages[1][1], "no copy was made"
+    for layer, (k0, v0) in enumerate(before):
+        k, v = stored(layer)  # rows of 7 tokens, one after the other
+        for row in range(2):
+            assert torch.equal(k[7 * row : 7 * row + 6], k0), f"layer {layer} row {row}: K history changed"
+            assert torch.equal(v[7 * row : 7 * row + 6], v0), f"layer {layer} row {row}: V history changed"
