@@ -107,6 +107,13 @@ class PagedKVMetadata:
 class PagedKVMetadataBuilder(AttentionMetadataBuilder[PagedKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # vLLM's CUDA platform checks supports_block_size when it picks a backend; its CPU platform never asks,
+        # and builds this builder (at engine start, with the pages' real size) whatever --block-size says.
+        block_size = kv_cache_spec.block_size
+        if not PagedKVAttentionBackend.supports_block_size(block_size):
+            raise NotImplementedError(
+                f"pagedkv attention backend: block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}; "
+                f"{NOT_SUPPORTED_HINT}")
 
     def build(
         self,

@@ -291,16 +291,46 @@ def test_attention_sinks_identical_to_vllm_cpu_backend(generate, kv_cache_dtype)
     assert ours["prefix_cache_hits"] > 0
 
 
+# Starts one engine per configuration in turn (one process: vLLM's import is most of the cost); prints each outcome.
+ENGINE_START_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM
+from vllm.distributed import cleanup_dist_env_and_memory
+results = {}
+for name, kwargs in json.loads(sys.argv[1]).items():
+    try:
+        LLM(**kwargs, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20,
+            gpu_memory_utilization=0.1)
+        results[name] = "started"
+    except Exception as error:
+        results[name] = f"{type(error).__name__}: {error}"
+    cleanup_dist_env_and_memory()
+print("RESULTS " + json.dumps(results))
+"""
+
+
 @pytest.mark.skipif(not TINY_MODEL, reason="PAGEDKV_VLLM_TINY_MODEL (write_hf_model.py --random-tiny) is not set")
-def test_unsupported_cache_dtype_refused_at_engine_start(tmp_path):
-    # per-token-head FP8 scales are not vLLM's per-tensor k_scale / v_scale: the engine must not start
-    command = [sys.executable, os.path.join(HERE, "vllm_generate.py"), "--model", TINY_MODEL, "--token-prompts",
-               "--kv-cache-dtype", "fp8_per_token_head", "--out", str(tmp_path / "refused.json")]
-    run = subprocess.run(command, env=dict(os.environ, PAGEDKV_VLLM="1"), capture_output=True, text=True)
+def test_unsupported_configurations_refused_at_engine_start(tmp_path):
+    # Each must stop the engine before it serves anything, naming the reason: per-token-head FP8 scales (not
+    # vLLM's per-tensor k_scale / v_scale), a block size above the backend's limit (vLLM's CPU platform does not
+    # ask the backend).
+    configurations = {
+        "fp8_per_token_head": dict(model=TINY_MODEL, kv_cache_dtype="fp8_per_token_head"),
+        "block_size_512": dict(model=TINY_MODEL, block_size=512),
+    }
+    run = subprocess.run([sys.executable, "-c", ENGINE_START_SCRIPT, json.dumps(configurations)],
+                         env=dict(os.environ, PAGEDKV_VLLM="1"), capture_output=True, text=True)
     log = run.stdout + run.stderr
-    assert run.returncode != 0 and not (tmp_path / "refused.json").exists()
-    assert "pagedkv attention backend: kv_cache_dtype must be one of" in log and "'fp8_per_token_head'" in log, log[-4000:]
-    assert "unset PAGEDKV_VLLM to run vLLM's own attention backend" in log
+    assert run.returncode == 0 and "RESULTS " in run.stdout, log[-4000:]
+    results = json.loads(run.stdout.split("RESULTS ", 1)[1])
+    expected = {
+        "fp8_per_token_head": "kv_cache_dtype must be one of",
+        "block_size_512": "block_size must be 1..256, got 512",
+    }
+    for name, reason in expected.items():
+        assert results[name].startswith("NotImplementedError: pagedkv attention backend:"), (name, results[name])
+        assert reason in results[name] and "unset PAGEDKV_VLLM" in results[name], (name, results[name])
 
 
 # ---- the backend's forward against a dense attention written from vLLM's semantics ----
@@ -531,6 +561,20 @@ def test_unsupported_configurations_refused(kwargs, message):
     with pytest.raises(NotImplementedError, match="pagedkv attention backend") as error:
         PagedKVAttentionImpl(**arguments)
     assert message in str(error.value) and "PAGEDKV_VLLM" in str(error.value)
+
+
+def test_block_size_above_limit_refused():
+    # vLLM's CPU platform never asks supports_block_size: the builder (made at engine start with the pages' size)
+    # must refuse what the backend does not declare
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def builder(block_size):
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
+        return PagedKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], None, torch.device("cpu"))
+
+    builder(1), builder(3), builder(256)
+    with pytest.raises(NotImplementedError, match=r"block_size must be 1\.\.256, got 512.*unset PAGEDKV_VLLM"):
+        builder(512)
 
 
 def test_fp8_per_head_scales_refused():
