@@ -114,6 +114,15 @@ class PagedKVMetadataBuilder(AttentionMetadataBuilder[PagedKVMetadata]):
             raise NotImplementedError(
                 f"pagedkv attention backend: block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}; "
                 f"{NOT_SUPPORTED_HINT}")
+        if vllm_config is not None:
+            # vLLM builds this after loading the weights, so a checkpoint's FP8 scales are known: refuse the ones
+            # forward cannot take (per-head k_scale / v_scale) now rather than at the first request.
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention import Attention
+
+            for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
+                if isinstance(layer.impl, PagedKVAttentionImpl):
+                    layer.impl.fp8_scales(layer)
 
     def build(
         self,

@@ -310,14 +310,36 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+def write_per_head_fp8_checkpoint(model: str, out) -> str:
+    """The model as an llm-compressor checkpoint with one FP8 k_scale / v_scale per KV head (strategy attn_head)."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ["lm_head"],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False,
+                            "symmetric": True}}
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    for layer in range(config["num_hidden_layers"]):
+        for name in ("k_scale", "v_scale"):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.full((config["num_key_value_heads"],), 0.05)
+    os.makedirs(out, exist_ok=True)
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(out)
+
+
 @pytest.mark.skipif(not TINY_MODEL, reason="PAGEDKV_VLLM_TINY_MODEL (write_hf_model.py --random-tiny) is not set")
 def test_unsupported_configurations_refused_at_engine_start(tmp_path):
     # Each must stop the engine before it serves anything, naming the reason: per-token-head FP8 scales (not
     # vLLM's per-tensor k_scale / v_scale), a block size above the backend's limit (vLLM's CPU platform does not
-    # ask the backend).
+    # ask the backend), a checkpoint's per-head FP8 scales (known once the weights are loaded).
     configurations = {
         "fp8_per_token_head": dict(model=TINY_MODEL, kv_cache_dtype="fp8_per_token_head"),
         "block_size_512": dict(model=TINY_MODEL, block_size=512),
+        "per_head_scales": dict(model=write_per_head_fp8_checkpoint(TINY_MODEL, tmp_path / "per-head-fp8")),
     }
     run = subprocess.run([sys.executable, "-c", ENGINE_START_SCRIPT, json.dumps(configurations)],
                          env=dict(os.environ, PAGEDKV_VLLM="1"), capture_output=True, text=True)
@@ -327,6 +349,7 @@ def test_unsupported_configurations_refused_at_engine_start(tmp_path):
     expected = {
         "fp8_per_token_head": "kv_cache_dtype must be one of",
         "block_size_512": "block_size must be 1..256, got 512",
+        "per_head_scales": "one k_scale and one v_scale per layer, got k_scale of shape (2,)",
     }
     for name, reason in expected.items():
         assert results[name].startswith("NotImplementedError: pagedkv attention backend:"), (name, results[name])
