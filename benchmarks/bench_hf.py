@@ -13,9 +13,14 @@ method; one timed call = one whole generate call: prefill, every decode step and
 Each candidate sets the model's attention implementation itself before generating. Tokens/s = prompts x
 new tokens / median seconds per call; vs_sdpa = sdpa seconds / candidate seconds. Before timing, every
 candidate's tokens are compared with sdpa's (tokens_match).
+With --beams N (beam search, N beams per prompt) the candidates are the three model.generate ones, and
+one more call of each reports the K/V bytes its cache holds at the end (kv_mib: transformers' cache
+tensors; PagedCache: the pages handed out, shared pages once) and the bytes it allocated (kv_alloc_mib:
+PagedCache's pool, which grows by doubling).
 
-  python benchmarks/bench_hf.py --quick   # 16 new tokens, 1 warm-up call
-  python benchmarks/bench_hf.py           # 32 new tokens
+  python benchmarks/bench_hf.py --quick             # 16 new tokens, 1 warm-up call
+  python benchmarks/bench_hf.py                     # 32 new tokens
+  python benchmarks/bench_hf.py --quick --beams 4   # beam search, results in hf_beam_cpu_quick
 """
 
 from __future__ import annotations
@@ -81,23 +86,38 @@ def left_padded(ids, pad_id):
     return {"input_ids": input_ids, "attention_mask": mask}
 
 
-def candidates(model, ids, pad_id, new_tokens):
+def generate_options(pad_id, new_tokens, beams):
+    # eos_token_id=None: no EOS stop and no EOS logit masking, so every row yields new_tokens tokens
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                   pad_token_id=pad_id)
+    return dict(options, num_beams=beams) if beams > 1 else options
+
+
+def generate_call(model, ids, pad_id, new_tokens, beams, impl, paged):
+    """A callable running model.generate with attention `impl` (and a fresh PagedCache when paged); it
+    returns generate's output and the cache it filled."""
+    import pagedkv.hf
+
+    batch, options = left_padded(ids, pad_id), generate_options(pad_id, new_tokens, beams)
+
+    def run(**extra):
+        model.set_attn_implementation(impl)
+        cache = pagedkv.hf.PagedCache(model) if paged else None
+        argument = {pagedkv.hf._cache_argument(model): cache} if paged else {}
+        return model.generate(**batch, **options, **argument, **extra), cache
+    return run
+
+
+def candidates(model, ids, pad_id, new_tokens, beams=1):
     """name -> callable returning the generated ids per prompt (list of lists)."""
     import pagedkv.hf
     from transformers import GenerationConfig
 
-    batch = left_padded(ids, pad_id)
-    width = batch["input_ids"].shape[1]
-    # eos_token_id=None: no EOS stop and no EOS logit masking, so every row yields new_tokens tokens
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                  pad_token_id=pad_id)
+    width = left_padded(ids, pad_id)["input_ids"].shape[1]
 
     def hf_generate(impl, paged=False):
-        def run():
-            model.set_attn_implementation(impl)
-            cache = {pagedkv.hf._cache_argument(model): pagedkv.hf.PagedCache(model)} if paged else {}
-            return model.generate(**batch, **kwargs, **cache)[:, width:].tolist()
-        return run
+        call = generate_call(model, ids, pad_id, new_tokens, beams, impl, paged)
+        return lambda: call()[0][:, width:].tolist()
 
     def pagedkv_batch():
         model.set_attn_implementation("pagedkv")
@@ -120,7 +140,10 @@ def candidates(model, ids, pad_id, new_tokens):
         return lambda: transformers_batch(impl)
 
     runs = {"sdpa": hf_generate("sdpa"), "pagedkv (DynamicCache)": hf_generate("pagedkv"),
-            "pagedkv (PagedCache)": hf_generate("pagedkv", paged=True), "pagedkv generate_batch": pagedkv_batch}
+            "pagedkv (PagedCache)": hf_generate("pagedkv", paged=True)}
+    if beams > 1:  # continuous batching has no beam search
+        return runs
+    runs["pagedkv generate_batch"] = pagedkv_batch
     if hasattr(model, "generate_batch"):
         runs["transformers generate_batch (sdpa)"] = transformers_batch_with("sdpa")
     if pagedkv.hf.transformers_continuous_batching_supported():
@@ -128,22 +151,44 @@ def candidates(model, ids, pad_id, new_tokens):
     return runs
 
 
+CACHE_CALLS = {"sdpa": ("sdpa", False), "pagedkv (DynamicCache)": ("pagedkv", False),
+               "pagedkv (PagedCache)": ("pagedkv", True)}
+
+
+def kv_mebibytes(model, ids, pad_id, new_tokens, beams, name):
+    """(MiB of K/V the candidate's cache holds after one generate call, MiB it allocated)."""
+    output, cache = generate_call(model, ids, pad_id, new_tokens, beams, *CACHE_CALLS[name])(
+        return_dict_in_generate=True)
+    if cache is None:  # transformers' cache: its layers' key and value tensors
+        filled = getattr(output, "cache", None) or output.past_key_values  # "cache" on newer 5.x
+        held = sum(layer.keys.nbytes + layer.values.nbytes for layer in filled.layers)
+        return held / 2**20, held / 2**20
+    pool = cache.pool
+    page_bytes = sum(t.nbytes // t.size(0) for pages in pool.layers.values()
+                     for t in (pages.k, pages.v, pages.k_scales, pages.v_scales) if t is not None)
+    return pool.next_free * page_bytes / 2**20, pool.num_pages * page_bytes / 2**20
+
+
 def main():
     p = common.base_parser(__doc__)
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 32, --quick 16)")
     p.add_argument("--random-model", action="store_true", help="a small random Llama instead of the GGUF model")
+    p.add_argument("--beams", type=int, default=1, help="beam search with this many beams (default 1: greedy)")
     args = p.parse_args()
+    if args.beams < 1:
+        p.error(f"--beams must be >= 1, got {args.beams}")
     common.setup(args)
     new_tokens = args.max_new_tokens or (16 if args.quick else 32)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     env = common.environment()
     ceiling = common.copy_ceiling(args.ceiling_mib, args.reps)
     model, ids, model_name, pad_id = load_model(args)
-    env.update(model=model_name, prompts=len(ids), prompt_tokens=[len(x) for x in ids], new_tokens=new_tokens)
+    env.update(model=model_name, prompts=len(ids), prompt_tokens=[len(x) for x in ids], new_tokens=new_tokens,
+               beams=args.beams)
     print(f"{model_name}: {len(ids)} prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, {new_tokens} new "
-          f"tokens each, threads {torch.get_num_threads()}")
+          f"tokens each{f', {args.beams} beams' if args.beams > 1 else ''}, threads {torch.get_num_threads()}")
 
-    runs = candidates(model, ids, pad_id, new_tokens)
+    runs = candidates(model, ids, pad_id, new_tokens, args.beams)
     reference, checks = None, {}
     for name, fn in list(runs.items()):
         try:
@@ -172,12 +217,17 @@ def main():
         t = common.median(samples[name])
         rows.append(dict(candidate=name, seconds=t, tokens_per_s=len(ids) * new_tokens / t, vs_sdpa=base / t,
                          tokens_match=check, samples=samples[name]))
+        if args.beams > 1:
+            rows[-1]["kv_mib"], rows[-1]["kv_alloc_mib"] = kv_mebibytes(model, ids, pad_id, new_tokens, args.beams,
+                                                                        name)
     cols = ["candidate", "seconds", "tokens_per_s", "vs_sdpa", "tokens_match"]
+    cols += ["kv_mib", "kv_alloc_mib"] if args.beams > 1 else []
     print()
     common.print_table(rows, cols)
     if args.no_write:
         return
-    common.write_results(args.out or common.result_stem("hf_generate", args.quick, args.cold),
+    stem = "hf_beam" if args.beams > 1 else "hf_generate"
+    common.write_results(args.out or common.result_stem(stem, args.quick, args.cold),
                          "pagedkv in transformers generate (CPU)", common.method(__doc__, __doc__.split("\n\n")[1]),
                          env, ceiling, rows, cols)
 

@@ -186,3 +186,30 @@ def test_issue26_warm_calls_run_on_the_default_decode_path(head_major):
     for name, out in outs.items():
         assert torch.isfinite(out.float()).all(), name
         assert (out.float() - outs["bf16"].float()).abs().max().item() < 0.25, name
+
+
+def test_hf_beam_mode_runs_the_three_caches_and_measures_their_kv_bytes():
+    # bench_hf --beams: each candidate's beam search gives sdpa's tokens, and the K/V bytes it reports
+    # are transformers' cache tensors (rows x layers x K and V x heads x positions x D x 4 bytes) or the
+    # PagedCache pages handed out (whole pages; at most every row's own pages, none shared)
+    pytest.importorskip("transformers")
+    bench_hf = pytest.importorskip("bench_hf")
+    import argparse
+
+    model, ids, _, pad_id = bench_hf.load_model(argparse.Namespace(random_model=True, seed=0))
+    ids, beams, new_tokens = ids[:3], 2, 3
+    runs = bench_hf.candidates(model, ids, pad_id, new_tokens, beams)
+    assert set(runs) == set(bench_hf.CACHE_CALLS)
+    outs = {name: run() for name, run in runs.items()}
+    assert all(out == outs["sdpa"] for out in outs.values()) and len(outs["sdpa"]) == len(ids)
+    config, rows, width = model.config, len(ids) * beams, max(map(len, ids))
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    positions = width + new_tokens - 1  # the last token is sampled, never stored
+    for name in ("sdpa", "pagedkv (DynamicCache)"):
+        held, allocated = bench_hf.kv_mebibytes(model, ids, pad_id, new_tokens, beams, name)
+        assert held == allocated == rows * positions * per_position / 2**20, name
+    held, allocated = bench_hf.kv_mebibytes(model, ids, pad_id, new_tokens, beams, "pagedkv (PagedCache)")
+    page_size = 16  # PagedCache's default
+    own_pages = sum(-(-(len(x) + new_tokens - 1) // page_size) for x in ids) * beams
+    assert 0 < held <= own_pages * page_size * per_position / 2**20 and held <= allocated
