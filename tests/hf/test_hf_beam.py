@@ -413,6 +413,34 @@ def test_refused_arguments_name_the_argument_and_change_nothing(method, argument
     check_stored(cache, reference)
 
 
+def refused_forward(cache, batch, q_len, positions):
+    """One forward whose store paged_store refuses (keys that require grad, in grad mode)."""
+    mask = torch.ones(batch, positions + q_len, dtype=torch.bool)
+    key = torch.randn(batch, 2, q_len, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="key requires grad"):
+        cache.attend(0, torch.randn(batch, 4, q_len, 16), key, torch.randn(batch, 2, q_len, 16), mask, dict(OPTIONS))
+
+
+def test_a_refused_forward_changes_nothing():
+    """A forward whose store is refused leaves the cache as it was: the first forward of a new cache
+    reserved rows for its batch (a retry with another batch then failed on the old row count), and a
+    forward into a filled cache left its padding mask for crop (which then counted the tokens removed
+    from the failed forward's positions)."""
+    gen = torch.Generator().manual_seed(6)
+    cache, reference = empty_cache_and_reference(4, rows=2)
+    refused_forward(cache, 3, 5, 0)
+    forward_step(cache, reference, torch.tensor([[True] * 6, [False] * 3 + [True] * 3]), gen)
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+    refused_forward(cache, 2, 2, 6)
+    cache.crop(-4)
+    reference.crop(4)
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+    forward_step(cache, reference, torch.ones(2, 2, dtype=torch.bool), gen)
+    check_stored(cache, reference)
+
+
 def test_taken_arguments_of_other_kinds():
     """A bool mask (one entry per row) and a list select rows as index tensors do."""
     cache, reference = filled_cache()

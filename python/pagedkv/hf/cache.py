@@ -564,6 +564,11 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                 dtype = self.kv_dtype or key.dtype
                 pages = self.initial_pages or max(1, rows * -(-tokens // self.page_size))
                 self.pool = _Pool(self.page_size, dtype, key.device, pages, self.quant_group)
+            elif self.pool.row_pages and not any(layer.seen for layer in self.layers):
+                # Rows reserved by a first forward that failed before any layer stored (paged_store
+                # refusing keys that require grad, say): they hold nothing, and kept, a retry with
+                # another batch would find the old row count in the lookup table.
+                self.pool.forget_rows()
             return self.pool
 
         @staticmethod
@@ -591,8 +596,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             pool = self._ensure_pool(key, batch, layer.seen + q_len)
             before, after = torch.stack((stored_before, stored_before + new.counts)).tolist()  # one device read
             lookup = pool.reserve(after, before)
-            self._step_key, self._step = step_key, (new, stored_before, lookup)
-            self._kept = keep  # the mask covers every position so far: crop reads which were tokens
+            self._step_key, self._step = step_key, (new, stored_before, lookup, keep)
             return self._step
 
         def attend(self, layer_idx, query, key, value, attention_mask, options) -> torch.Tensor:
@@ -601,12 +605,15 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                 return self._attend_ragged(layer_idx, query, key, value, options)
             if query.size(2) != key.size(2):
                 raise ValueError("PagedCache: query and key lengths differ for this step")
-            new, stored_before, lookup = self._batch_step(layer, key, attention_mask)
+            new, stored_before, lookup, keep = self._batch_step(layer, key, attention_mask)
             pages = self.pool.layer(layer_idx, key.transpose(1, 2), value.transpose(1, 2))
             pages.store(new.pack(key), new.pack(value), new.offsets, stored_before, lookup)
             out = pages.attend(new.pack(query), new.offsets, stored_before, lookup, options)
             layer.lengths = stored_before + new.counts
             layer.seen += key.size(2)
+            # The mask covers every position so far: crop reads which were tokens. Taken once the
+            # layer holds them, so that a forward that failed (store refused) leaves crop its old mask.
+            self._kept = keep
             return new.unpack(out)
 
         def start_gathering(self, layer, key, value) -> None:
