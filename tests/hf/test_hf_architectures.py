@@ -229,10 +229,12 @@ def test_architecture_against_eager(model_type):
 
 def _paged_cache_refused(model):
     """Whether compat.PAGED_CACHE_REFUSED lists the model (or its text model), or its text config
-    has cross-attention layers: then PagedCache(model) must refuse it."""
+    has cross-attention layers or layers that reuse another layer's K/V: then PagedCache(model)
+    must refuse it."""
     configs = (model.config, model.config.get_text_config(decoder=True))
     return any(phf.compat.refusal(phf.compat.PAGED_CACHE_REFUSED, getattr(config, "model_type", None))
-               or getattr(config, "cross_attention_layers", None) for config in configs)
+               or getattr(config, "cross_attention_layers", None) or phf.cache._shares_kv_across_layers(config)
+               for config in configs)
 
 
 def _check_static_cache(model_type, model, expected_tokens):

@@ -255,6 +255,22 @@ def test_paged_cache_rejects_query_heads_not_a_multiple_of_kv_heads():
         phf.PagedCache(config)
 
 
+def test_paged_cache_refuses_layers_that_reuse_another_layers_kv():
+    """Gemma3n's last num_kv_shared_layers layers attend over the K/V an earlier layer's cache update
+    returned: its whole history with transformers' caches, only the new positions with a PagedCache,
+    which gave other tokens than eager. The cache refuses such a config when it is made; without
+    shared layers it is taken."""
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+        activation_sparsity_pattern=[0.0] * 4, max_position_embeddings=256)
+    with pytest.raises(ValueError, match=r"PagedCache cannot serve Gemma3nTextConfig .*num_kv_shared_layers"):
+        phf.PagedCache(config)
+    config.num_kv_shared_layers = 0
+    phf.PagedCache(config)
+
+
 def test_contiguous_path_reads_strided_kv_in_place(saved_models):
     """K/V that transformers keeps as slices of a larger buffer (not contiguous) are read in place."""
     gen = torch.Generator().manual_seed(4)

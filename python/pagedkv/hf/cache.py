@@ -478,12 +478,29 @@ def _refuse_unservable_models(model_or_config) -> None:
         reason = refusal(PAGED_CACHE_REFUSED, model_type)
         if reason is None and getattr(candidate, "cross_attention_layers", None):
             reason = "its cross-attention layers (cross_attention_layers) read keys and values a PagedCache does not hold"
+        if reason is None and _shares_kv_across_layers(candidate):
+            reason = ("its last layers reuse the keys and values another layer's cache update returned "
+                      "(num_kv_shared_layers / kv_sharing_modes), which are that layer's whole history with "
+                      "transformers' caches but only the new positions with a PagedCache")
         if reason is not None:
             raise ValueError(
                 f"PagedCache cannot serve {type(config).__name__} (model_type '{getattr(config, 'model_type', '?')}'): "
                 f"{reason}; use transformers' own cache (the default, or cache_implementation='static') with "
                 f"attn_implementation='{IMPLEMENTATION}'"
             )
+
+
+def _shares_kv_across_layers(config) -> bool:
+    """Whether some layers attend over another layer's K/V instead of caching their own (Gemma3n,
+    Gemma4 and Mistral-Large-4 with shared KV layers): they read what that layer's update returned."""
+    if getattr(config, "num_kv_shared_layers", None):
+        return True
+    try:
+        modes = getattr(config, "kv_sharing_modes", None) or ()
+    except ValueError:  # the property checks the config's layer types; the model refuses such a config itself
+        return False
+    # "store" alone (a Gemma4 without shared layers) only hands the K/V to an assistant model
+    return any(isinstance(mode, str) and mode.startswith("reuse") for mode in modes)
 
 
 def _refuse_different_kv_widths(config) -> None:
