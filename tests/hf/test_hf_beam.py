@@ -327,6 +327,22 @@ def test_a_shared_page_is_copied_before_a_write_and_full_pages_stay_shared():
     check_pool(cache.pool)
 
 
+def test_rows_that_store_nothing_copy_no_shared_page():
+    """Two rows sharing a partly filled last page that both store nothing in a step (padding holes)
+    while a third row stores: the shared page stays shared (no copy is made for a row that writes
+    nothing into it)."""
+    gen = torch.Generator().manual_seed(7)
+    cache, reference = empty_cache_and_reference(4, rows=2)
+    forward_step(cache, reference, torch.ones(2, 6, dtype=torch.bool), gen)  # each row: pages of 4 + 2 tokens
+    cache.batch_select_indices(torch.tensor([0, 0, 1]))
+    reference.select([0, 0, 1])
+    shared = cache.pool.row_pages[0]
+    forward_step(cache, reference, torch.tensor([[False], [False], [True]]), gen)
+    assert cache.pool.row_pages[0] == cache.pool.row_pages[1] == shared
+    check_stored(cache, reference)
+    check_pool(cache.pool)
+
+
 def test_crop_releases_the_pages_past_the_new_end():
     gen = torch.Generator().manual_seed(5)
     cache, reference = empty_cache_and_reference(2, rows=2)

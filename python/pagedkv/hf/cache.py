@@ -156,6 +156,8 @@ class _Pool:
         listed keeps it (the others get copies), so no page is copied for nobody."""
         shared, holders = [], {}
         for row, (before, after) in enumerate(zip(stored_before, row_lengths)):
+            if after <= before:  # a row that stores nothing this step (a padding hole) writes no page
+                continue
             pages = self.row_pages[row]
             for index in range(before // self.page_size, min(len(pages), -(-after // self.page_size))):
                 page = pages[index]
