@@ -108,6 +108,11 @@ def generate_call(model, ids, pad_id, new_tokens, beams, impl, paged):
     return run
 
 
+# The model.generate candidates: name -> (attention implementation, with a PagedCache)
+CACHE_CALLS = {"sdpa": ("sdpa", False), "pagedkv (DynamicCache)": ("pagedkv", False),
+               "pagedkv (PagedCache)": ("pagedkv", True)}
+
+
 def candidates(model, ids, pad_id, new_tokens, beams=1):
     """name -> callable returning the generated ids per prompt (list of lists)."""
     import pagedkv.hf
@@ -115,7 +120,7 @@ def candidates(model, ids, pad_id, new_tokens, beams=1):
 
     width = left_padded(ids, pad_id)["input_ids"].shape[1]
 
-    def hf_generate(impl, paged=False):
+    def hf_generate(impl, paged):
         call = generate_call(model, ids, pad_id, new_tokens, beams, impl, paged)
         return lambda: call()[0][:, width:].tolist()
 
@@ -139,8 +144,7 @@ def candidates(model, ids, pad_id, new_tokens, beams=1):
     def transformers_batch_with(impl):
         return lambda: transformers_batch(impl)
 
-    runs = {"sdpa": hf_generate("sdpa"), "pagedkv (DynamicCache)": hf_generate("pagedkv"),
-            "pagedkv (PagedCache)": hf_generate("pagedkv", paged=True)}
+    runs = {name: hf_generate(*call) for name, call in CACHE_CALLS.items()}
     if beams > 1:  # continuous batching has no beam search
         return runs
     runs["pagedkv generate_batch"] = pagedkv_batch
@@ -149,10 +153,6 @@ def candidates(model, ids, pad_id, new_tokens, beams=1):
     if pagedkv.hf.transformers_continuous_batching_supported():
         runs["transformers generate_batch (pagedkv)"] = transformers_batch_with("pagedkv")
     return runs
-
-
-CACHE_CALLS = {"sdpa": ("sdpa", False), "pagedkv (DynamicCache)": ("pagedkv", False),
-               "pagedkv (PagedCache)": ("pagedkv", True)}
 
 
 def kv_mebibytes(model, ids, pad_id, new_tokens, beams, name):
@@ -164,8 +164,7 @@ def kv_mebibytes(model, ids, pad_id, new_tokens, beams, name):
         held = sum(layer.keys.nbytes + layer.values.nbytes for layer in filled.layers)
         return held / 2**20, held / 2**20
     pool = cache.pool
-    page_bytes = sum(t.nbytes // t.size(0) for pages in pool.layers.values()
-                     for t in (pages.k, pages.v, pages.k_scales, pages.v_scales) if t is not None)
+    page_bytes = sum(t.nbytes // t.size(0) for pages in pool.layers.values() for t in pages.page_tensors())
     return pool.next_free * page_bytes / 2**20, pool.num_pages * page_bytes / 2**20
 
 

@@ -73,6 +73,10 @@ class _LayerPages:
     def num_pages(self) -> int:
         return self.k.size(0)
 
+    def page_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the pages, page dim first: K, V and their scales where FP8."""
+        return tuple(t for t in (self.k, self.v, self.k_scales, self.v_scales) if t is not None)
+
     def grow(self, num_pages: int) -> None:
         """Copies the pages into num_pages larger tensors (page ids stay)."""
         for name in ("k", "v", "k_scales", "v_scales"):
@@ -174,9 +178,8 @@ class _Pool:
         src = torch.tensor(sources, dtype=torch.int32, device=self.device)
         dst = torch.tensor(fresh, dtype=torch.int32, device=self.device)
         for layer in self.layers.values():
-            for tensor in (layer.k, layer.v, layer.k_scales, layer.v_scales):
-                if tensor is not None:
-                    copy_pages(tensor, src, dst)
+            for tensor in layer.page_tensors():
+                copy_pages(tensor, src, dst)
         for (row, index), old, new in zip(shared, sources, fresh):
             self.row_pages[row][index] = new
             self.refs[old] -= 1  # still >= 1: the page was shared
