@@ -13,6 +13,19 @@ Requests arrive at different steps of a server loop. Every step:
    running request, greedy tokens are appended, and requests finishing on EOS or on
    ``max_new_tokens`` release their pages.
 
+A step either completes or leaves every request where it was: when the forward pass (or a
+reservation for an admitted request) raises, the requests admitted in that step release their
+pages and go back to the front of the waiting queue, no running request has advanced, and the
+exception propagates with a note naming the step's rows. Requests preempted in that step stay
+preempted (their pages were released before the forward; they are recomputed when readmitted).
+
+``abort(request_id)`` stops a request between steps, wherever it is (not yet arrived, waiting,
+running): its pages are released and it joins ``finished`` with ``finish_reason == "abort"`` and the
+tokens generated so far.
+
+``finished`` and ``records`` grow by one entry per finished request and per step; a server that
+runs indefinitely should take their entries out (and clear them) as it goes.
+
 The model is any callable ``model(tokens, positions, input_row_offsets, cache_lengths,
 lookup_table) -> logits [B, vocab]`` over the pages the page manager hands out
 (``pagedkv.llama.LlamaPagedModel``, ``pagedkv.hf.TransformersPagedModel``).
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -134,6 +148,7 @@ class ContinuousBatchingServer:
         max_prefill_tokens: int = 512,
         max_running: int = 16,
         record_logits: bool = False,
+        vocab_size: int | None = None,
     ):
         # With no running slot nothing is ever admitted: step() would run forever.
         if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
@@ -145,6 +160,14 @@ class ContinuousBatchingServer:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running
         self.record_logits = record_logits
+        # Prompt token ids are checked against this at submit (a token past the embedding table
+        # failed the whole step it was admitted in); default: the model's config.vocab_size.
+        if vocab_size is None:
+            vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 1):
+            raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         self.pending: list[Request] = []  # not arrived yet, by arrival step
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
@@ -168,6 +191,7 @@ class ContinuousBatchingServer:
                 or request.max_new_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_new_tokens must be an int >= 1, "
                              f"got {request.max_new_tokens!r}")
+        self._check_prompt(request)
         if any(r.request_id == request.request_id for r in (*self.pending, *self.waiting, *self.running)):
             raise ValueError(f"request_id {request.request_id} is already submitted and not finished")
         if self._pages_for(request.max_total_tokens) > self.page_manager.num_pages:
@@ -178,6 +202,45 @@ class ContinuousBatchingServer:
             )
         self.pending.append(request)
         self.pending.sort(key=lambda r: (r.arrival_step, r.request_id))
+
+    def _check_prompt(self, request: Request) -> None:
+        # A token id the page manager or the embedding cannot take failed add_sequence or the forward
+        # of every step that tried to admit the request, so nothing behind it was ever served.
+        high = self.vocab_size if self.vocab_size is not None else 2**31
+        for position, token in enumerate(request.prompt):
+            if isinstance(token, bool):
+                valid = False
+            else:
+                try:
+                    valid = 0 <= operator.index(token) < high
+                except TypeError:
+                    valid = False
+            if not valid:
+                raise ValueError(
+                    f"request {request.request_id}: prompt[{position}] = {token!r} is not a token id in [0, {high})"
+                )
+
+    def abort(self, request_id: int) -> Request:
+        """Stop a submitted, unfinished request now (call between steps).
+
+        Wherever the request is (not arrived yet, waiting, running), it leaves the server's queues,
+        its pages are released, and it joins ``finished`` with ``finish_reason = "abort"``, keeping
+        the tokens generated so far. Returns the request; KeyError if no unfinished request has the id.
+        """
+        for queue in (self.running, self.waiting, self.pending):
+            for request in queue:
+                if request.request_id == request_id:
+                    break
+            else:
+                continue
+            if queue is self.running:
+                self.page_manager.release(request.request_id)
+            queue.remove(request)
+            request.finish_reason = "abort"
+            request.finished_step = self.step_index
+            self.finished.append(request)
+            return request
+        raise KeyError(f"abort: no submitted, unfinished request has request_id {request_id}")
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_manager.page_size)
@@ -222,47 +285,30 @@ class ContinuousBatchingServer:
                 page_manager.reserve(request.request_id, 1)
                 decode_rows.append(request)
 
-        # 2. Admit waiting requests in order while their prefill fits (not in a preempting step).
-        prefill_rows: list[tuple[Request, int]] = []  # (request, tokens already cached)
-        prefill_budget = self.max_prefill_tokens
-        while self.waiting and not preempted and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            tokens = request.tokens
-            # Full pages of this prefix that live requests already computed are shared, not recomputed
-            # (the count leaves at least one token to compute, for the logits).
-            cached = page_manager.add_sequence(request.request_id, tokens)
-            new_tokens = len(tokens) - cached
-            if not 0 <= cached < len(tokens):
-                raise RuntimeError(f"add_sequence reported {cached} cached tokens of {len(tokens)}")
-            fits_budget = new_tokens <= prefill_budget or not (decode_rows or prefill_rows)
-            if not fits_budget or not page_manager.can_reserve(request.request_id, new_tokens):
-                page_manager.release(request.request_id)
-                break
-            page_manager.reserve(request.request_id, new_tokens)
-            self.waiting.popleft()
-            self.running.append(request)
-            request.admitted_step = self.step_index
-            request.prefix_cached_tokens += cached
-            prefill_rows.append((request, cached))
-            prefill_budget -= new_tokens
-
-        # 3. One ragged forward over decode rows then prefill rows.
-        row_requests: list[Request] = []
-        row_tokens: list[list[int]] = []
-        for request in decode_rows:
-            row_requests.append(request)
-            row_tokens.append(request.generated[-1:])
-        for request, cached in prefill_rows:
-            row_requests.append(request)
-            row_tokens.append(request.tokens[cached:])
-
-        holding = [r.request_id for r in self.running]
-        pages_used = page_manager.used_pages
-        shared_pages = getattr(page_manager, "shared_pages", 0)
-        seconds = 0.0
-        finished: list[int] = []
-        if row_requests:
-            seconds, finished = self._forward(row_requests, row_tokens)
+        # 2 and 3 change nothing when they raise: admissions of this step are undone (see the module
+        # docstring), and _forward advances no request before the model's logits are in hand.
+        prefill_rows: list[tuple[Request, int, int | None]] = []  # (request, tokens cached, admitted_step before)
+        try:
+            if not preempted:  # a step that preempted admits nothing (the pool is short already)
+                self._admit(decode_rows, prefill_rows)
+            row_requests, row_tokens = self._rows(decode_rows, prefill_rows)
+            holding = [r.request_id for r in self.running]
+            pages_used = page_manager.used_pages
+            shared_pages = getattr(page_manager, "shared_pages", 0)
+            seconds, next_tokens, logits_cpu = 0.0, [], None
+            if row_requests:
+                seconds, next_tokens, logits_cpu = self._forward(row_requests, row_tokens)
+        except BaseException as error:
+            admitted = [r.request_id for r, _, _ in prefill_rows]
+            self._undo_admissions(prefill_rows)
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    f"pagedkv.serving: step {self.step_index} failed and was rolled back: decode rows "
+                    f"{[r.request_id for r in decode_rows]} did not advance; admitted rows {admitted} went back "
+                    f"to the waiting queue (abort() a request to drop it)"
+                )
+            raise
+        finished = self._advance(row_requests, row_tokens, next_tokens, logits_cpu)
 
         record = StepRecord(
             step=self.step_index,
@@ -275,14 +321,75 @@ class ContinuousBatchingServer:
             shared_pages=shared_pages,
             holding=holding,
             preempted=preempted,
-            admitted=[r.request_id for r, _ in prefill_rows],
+            admitted=[r.request_id for r, _, _ in prefill_rows],
             finished=finished,
         )
         self.records.append(record)
         self.step_index += 1
         return record
 
-    def _forward(self, row_requests: list[Request], row_tokens: list[list[int]]) -> tuple[float, list[int]]:
+    def _admit(self, decode_rows: list[Request], prefill_rows: list[tuple[Request, int, int | None]]) -> None:
+        """Admit waiting requests in order while their prefill fits the free pages and the step's
+        prefill token budget (appending to ``prefill_rows`` as each is admitted)."""
+        page_manager = self.page_manager
+        prefill_budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            tokens = request.tokens
+            # Full pages of this prefix that live requests already computed are shared, not recomputed
+            # (the count leaves at least one token to compute, for the logits).
+            cached = page_manager.add_sequence(request.request_id, tokens)
+            try:
+                new_tokens = len(tokens) - cached
+                if not 0 <= cached < len(tokens):
+                    raise RuntimeError(f"add_sequence reported {cached} cached tokens of {len(tokens)}")
+                fits_budget = new_tokens <= prefill_budget or not (decode_rows or prefill_rows)
+                if not fits_budget or not page_manager.can_reserve(request.request_id, new_tokens):
+                    page_manager.release(request.request_id)
+                    break
+                page_manager.reserve(request.request_id, new_tokens)
+            except BaseException:
+                if request.request_id in page_manager:
+                    page_manager.release(request.request_id)
+                raise
+            self.waiting.popleft()
+            self.running.append(request)
+            prefill_rows.append((request, cached, request.admitted_step))
+            request.admitted_step = self.step_index
+            request.prefix_cached_tokens += cached
+            prefill_budget -= new_tokens
+
+    def _undo_admissions(self, prefill_rows: list[tuple[Request, int, int | None]]) -> None:
+        """Put the requests admitted in a failed step back at the front of the waiting queue, in their
+        order, releasing their pages (nothing of them was committed)."""
+        for request, cached, admitted_before in reversed(prefill_rows):
+            if request.request_id in self.page_manager:
+                self.page_manager.release(request.request_id)
+            if request in self.running:
+                self.running.remove(request)
+            self.waiting.appendleft(request)
+            request.admitted_step = admitted_before
+            request.prefix_cached_tokens -= cached
+
+    @staticmethod
+    def _rows(decode_rows: list[Request], prefill_rows) -> tuple[list[Request], list[list[int]]]:
+        """One ragged forward's rows: decode rows (the last generated token) then prefill rows (the
+        tokens after the cached prefix)."""
+        row_requests: list[Request] = []
+        row_tokens: list[list[int]] = []
+        for request in decode_rows:
+            row_requests.append(request)
+            row_tokens.append(request.generated[-1:])
+        for request, cached, _ in prefill_rows:
+            row_requests.append(request)
+            row_tokens.append(request.tokens[cached:])
+        return row_requests, row_tokens
+
+    def _forward(
+        self, row_requests: list[Request], row_tokens: list[list[int]]
+    ) -> tuple[float, list[int], torch.Tensor | None]:
+        """Run the model over the rows; returns the seconds it took, each row's greedy token and (with
+        record_logits) the logits on the CPU. Changes no request and commits nothing."""
         page_manager = self.page_manager
         seq_ids = [r.request_id for r in row_requests]
         lookup_table, cache_lengths = page_manager.export(seq_ids, device=self.device)
@@ -303,10 +410,25 @@ class ContinuousBatchingServer:
             cache_lengths,
             lookup_table,
         )  # [B, vocab] float32
+        # Checked before any row advances: logits for fewer rows advanced the first rows and then
+        # failed with an IndexError, leaving the others behind.
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(row_requests):
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise RuntimeError(f"the model returned logits of shape {shape}, expected [{len(row_requests)}, vocab]")
         next_tokens = logits.argmax(dim=-1).tolist()
         seconds = time.perf_counter() - start_time
+        return seconds, next_tokens, (logits.cpu() if self.record_logits else None)
 
-        logits_cpu = logits.cpu() if self.record_logits else None
+    def _advance(
+        self,
+        row_requests: list[Request],
+        row_tokens: list[list[int]],
+        next_tokens: list[int],
+        logits_cpu: torch.Tensor | None,
+    ) -> list[int]:
+        """Commit each row's tokens, append its next token and finish it on a stop token or its
+        length; returns the ids of the requests finished."""
+        page_manager = self.page_manager
         finished: list[int] = []
         for row, (request, tokens) in enumerate(zip(row_requests, row_tokens)):
             page_manager.commit(request.request_id, len(tokens), tokens=tokens)
@@ -319,4 +441,4 @@ class ContinuousBatchingServer:
             elif len(request.generated) >= request.max_new_tokens:
                 self._finish(request, "length")
                 finished.append(request.request_id)
-        return seconds, finished
+        return finished
