@@ -27,6 +27,11 @@ NO_ISOLATION_HINT = (
 )
 
 
+# The oldest torch the extension is built and tested with (scripts/test.sh: 2.13 in the main stages, the
+# newest release on PyPI in the "newest torch" stage). Older torches are refused before anything compiles.
+MIN_TORCH = (2, 13)
+
+
 class BuildConfigError(Exception):
     """A build that cannot work as configured; the message says what is missing and what to do."""
 
@@ -43,6 +48,21 @@ class BuildChoice:
     with_cuda: bool
     toolkit: Optional[CudaToolkit]
     reason: str  # why this choice, one line (printed for auto builds that fall back to CPU)
+
+
+def check_torch_floor(torch_version: str) -> None:
+    """BuildConfigError when torch_version ("2.12.1+cpu") is older than MIN_TORCH."""
+    numbers = []
+    for piece in torch_version.split("+")[0].split(".")[:2]:
+        match = re.match(r"\d+", piece)
+        numbers.append(int(match.group()) if match else 0)
+    if tuple(numbers) < MIN_TORCH:
+        floor = ".".join(map(str, MIN_TORCH))
+        raise BuildConfigError(
+            f"pagedkv needs torch >= {floor} (the oldest release it is built and tested with); this build sees "
+            f"torch {torch_version}. Install a newer torch first (e.g. `pip install 'torch>={floor}'`), then build "
+            "again with `pip install --no-build-isolation .`"
+        )
 
 
 def needs_torch(commands: Sequence[str]) -> bool:
@@ -106,6 +126,7 @@ def check_build_torch(
             "`pip install --no-build-isolation .` (or `python -m build --wheel --no-isolation`); otherwise install "
             "torch first (e.g. `pip install torch`), then run that."
         )
+    check_torch_floor(torch_version)
     if env_torch is not None and env_torch[0] != torch_version and not _under(torch_path, own_roots):
         raise BuildConfigError(
             f"pagedkv: this build sees torch {torch_version} from {os.path.dirname(torch_path)} (a build "

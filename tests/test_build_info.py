@@ -200,6 +200,19 @@ def test_build_environment_torch_other_than_the_environment_one_is_refused(tmp_p
     bm.check_build_torch("2.14.1", str(deps / "torch" / "__init__.py"), [env_site], [str(tmp_path / "venv"), str(deps)])
 
 
+def test_torch_older_than_the_floor_is_refused_before_compiling(tmp_path):
+    env_site = fake_site(tmp_path / "venv" / "site-packages", "2.12.1+cpu")
+    with pytest.raises(bm.BuildConfigError) as error:
+        bm.check_build_torch("2.12.1+cpu", os.path.join(env_site, "torch", "__init__.py"), [env_site],
+                             [str(tmp_path / "venv")])
+    message = str(error.value)
+    assert "torch >= 2.13" in message and "torch 2.12.1+cpu" in message and "\n" not in message
+    for version in ("2.13.0+cpu", "2.14.1", "2.15.0+cu132", "2.16.0.dev20261201+cpu", "3.0.0"):
+        bm.check_torch_floor(version)
+    with pytest.raises(bm.BuildConfigError, match=r"torch 1\.13\.1"):
+        bm.check_torch_floor("1.13.1")
+
+
 def test_first_site_dir_with_torch_is_the_environment_one(tmp_path):
     first = fake_site(tmp_path / "venv", "2.13.0+cpu")
     system = fake_site(tmp_path / "system", "2.12.0")
