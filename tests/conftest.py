@@ -53,6 +53,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "per_isa: cheap op tests scripts/test.sh reruns under every PAGEDKV_CPU_ISA (kernel path)"
     )
+    config.addinivalue_line(
+        "markers", "soak: seeded load runs of the serving loop (tests/test_serving_soak.py, about a minute)"
+    )
 
 
 def _cuda_usable() -> bool:
