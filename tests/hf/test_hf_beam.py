@@ -6,7 +6,6 @@ arguments the cache cannot take, which leave it unchanged."""
 from __future__ import annotations
 
 import collections
-import copy
 
 import pytest
 import torch
@@ -153,106 +152,7 @@ def test_assisted_decoding_tokens_identical_to_greedy_sdpa(saved_models, page_si
     assert cache.layers[0].lengths.tolist() == [cache.get_seq_length() - padding]
 
 
-# ---- the pool against a per-row reference --------------------------------------------------------------
-
-
-def check_pool(pool):
-    """Reference counts equal the rows' page lists; the free list is exactly the pages handed out
-    that no row holds (each once); the lookup table lists each row's pages."""
-    held = collections.Counter(page for pages in pool.row_pages for page in pages)
-    assert len(pool.refs) == pool.next_free
-    for page in range(pool.next_free):
-        assert pool.refs[page] == held.get(page, 0), f"page {page}: refs {pool.refs[page]}, held {held.get(page, 0)}"
-    assert len(set(pool.free)) == len(pool.free)
-    assert set(pool.free) == {page for page in range(pool.next_free) if pool.refs[page] == 0}
-    assert max(held, default=-1) < pool.next_free <= pool.num_pages
-    table = pool.lookup_table
-    assert table.size(0) == len(pool.row_pages)
-    for row, pages in enumerate(pool.row_pages):
-        assert table[row, : len(pages)].tolist() == pages
-
-
-OPTIONS = {"scale": 0.25, "causal": True, "window_left": -1, "softcap": 0.0}
-
-
-class ReferenceRows:
-    """What each row of each layer holds, kept plainly: per row the positions (True = a token) and
-    per layer and row the stored tokens' K and V in order."""
-
-    def __init__(self, layers, rows):
-        self.layers = layers
-        self.positions = [[] for _ in range(rows)]  # per row: list of bool
-        self.k = [[[] for _ in range(rows)] for _ in range(layers)]  # [layer][row]: list of [Hk, D]
-        self.v = [[[] for _ in range(rows)] for _ in range(layers)]
-
-    def select(self, sources):
-        self.positions = [list(self.positions[s]) for s in sources]
-        for layer in range(self.layers):
-            self.k[layer] = [list(self.k[layer][s]) for s in sources]
-            self.v[layer] = [list(self.v[layer][s]) for s in sources]
-
-    def crop(self, count):
-        for row, positions in enumerate(self.positions):
-            tokens = sum(positions[len(positions) - count:])
-            del positions[len(positions) - count:]
-            for layer in range(self.layers):
-                del self.k[layer][row][len(self.k[layer][row]) - tokens:]
-                del self.v[layer][row][len(self.v[layer][row]) - tokens:]
-
-
-def attend_reference(query, keys, values, scale):
-    """Causal attention of query [c, Hq, D] (the last c of the row's tokens) over keys/values [n, Hk, D]."""
-    n, c = keys.size(0), query.size(0)
-    group = query.size(1) // keys.size(1)
-    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, c, n]
-    scores = scores + torch.full((c, n), float("-inf"), dtype=torch.float64).triu(n - c + 1)
-    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)  # [c, Hq, D]
-
-
-def forward_step(cache, reference, new_positions, gen):
-    """One forward of every layer over new_positions (bool [B, q], True = a token) with random
-    Q/K/V; checks each layer's output against the reference and records what it stores."""
-    batch, q_len = new_positions.shape
-    for row in range(batch):
-        reference.positions[row].extend(new_positions[row].tolist())
-    mask = torch.tensor(reference.positions, dtype=torch.bool)  # transformers' mask: every position so far
-    for layer in range(reference.layers):
-        query = torch.randn(batch, 4, q_len, 16, generator=gen)
-        key, value = torch.randn(batch, 2, q_len, 16, generator=gen), torch.randn(batch, 2, q_len, 16, generator=gen)
-        out = cache.attend(layer, query, key, value, mask, dict(OPTIONS))  # [B, q, Hq, D]
-        for row in range(batch):
-            kept = new_positions[row].nonzero().squeeze(1)
-            reference.k[layer][row].extend(key[row, :, kept].transpose(0, 1).unbind(0))
-            reference.v[layer][row].extend(value[row, :, kept].transpose(0, 1).unbind(0))
-            if not kept.numel():
-                continue
-            expected = attend_reference(query[row, :, kept].transpose(0, 1), torch.stack(reference.k[layer][row]),
-                                        torch.stack(reference.v[layer][row]), OPTIONS["scale"])
-            torch.testing.assert_close(out[row, kept].double(), expected, rtol=1e-5, atol=1e-5)
-
-
-def empty_cache_and_reference(page_size, rows):
-    """A PagedCache (float32 pages) for the tiny llama config (3 layers, 4 query heads over 2 KV heads
-    of 16), driven straight through its attend, and a reference of rows holding nothing."""
-    config = small_config("llama")
-    cache = phf.PagedCache(config, page_size=page_size, kv_dtype=torch.float32)
-    return cache, ReferenceRows(config.num_hidden_layers, rows)
-
-
-def check_stored(cache, reference):
-    """Every layer's stored K/V of every row equal the reference's (read through the lookup table)."""
-    pool = cache.pool
-    for layer in range(reference.layers):
-        state = cache.layers[layer]
-        counts = [len(tokens) for tokens in reference.k[layer]]
-        assert state.lengths.tolist() == counts, f"layer {layer} lengths"
-        assert state.seen == len(reference.positions[0])
-        k, v = pool.layers[layer].gather(pool.lookup_table, state.lengths, torch.float32)
-        for name, stored, tokens in (("K", k, reference.k[layer]), ("V", v, reference.v[layer])):
-            expected = torch.cat([torch.stack(row) if row else stored[:0] for row in tokens])
-            assert torch.equal(stored, expected), f"layer {layer} {name} differs from the reference"
+# ---- the pool against a per-row reference (hf_helpers: check_pool, ReferenceRows, forward_step) -------------
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4])
@@ -379,21 +279,6 @@ def filled_cache():
     cache.reorder_cache(torch.tensor([0, 0, 1]))
     reference.select([0, 0, 1])
     return cache, reference
-
-
-def snapshot(cache):
-    pool = cache.pool
-    return (copy.deepcopy((pool.row_pages, pool.refs, pool.free, pool.next_free, pool.num_pages)),
-            pool.lookup_table.clone(), [(layer.seen, layer.lengths.clone()) for layer in cache.layers],
-            None if cache._kept is None else cache._kept.clone())
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 REFUSED_CALLS = [

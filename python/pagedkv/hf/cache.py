@@ -88,6 +88,13 @@ class _LayerPages:
             new[: old.size(0)].copy_(old)
             setattr(self, name, new)
 
+    def shrink(self, num_pages: int) -> None:
+        """Keeps pages [0, num_pages) in tensors of that size (a rolled-back step had grown them)."""
+        for name in ("k", "v", "k_scales", "v_scales"):
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, old[:num_pages].clone())
+
     def store(self, key, value, offsets, cache_lengths, lookup) -> None:
         ops.paged_store(key, value, self.k, self.v, offsets, cache_lengths, lookup, self.k_scales, self.v_scales,
                         self.quant_group)
@@ -233,6 +240,24 @@ class _Pool:
         self.lookup_table = table.to(self.device)
         return self.lookup_table
 
+    def snapshot(self) -> tuple:
+        """The bookkeeping a forward step may change (see PagedKVTransformersCache._begin_step):
+        restore(snapshot) undoes its reservations, copies on write and growth."""
+        return (self.num_pages, frozenset(self.layers), [list(pages) for pages in self.row_pages], self.next_free,
+                list(self.refs), list(self.free), self.lookup_table)
+
+    def restore(self, state: tuple) -> None:
+        """Back to a snapshot (taken over, not copied): pages taken since are no row's again, layers made since are dropped
+        and grown page tensors cut back. K/V written since lie only in pages the snapshot's rows do
+        not hold or past the rows' stored lengths (a shared page is copied before it is written)."""
+        num_pages, layers, self.row_pages, self.next_free, self.refs, self.free, self.lookup_table = state
+        for layer_idx in set(self.layers) - layers:
+            del self.layers[layer_idx]
+        if self.num_pages != num_pages:
+            for pages in self.layers.values():
+                pages.shrink(num_pages)
+            self.num_pages = num_pages
+
     def forget_rows(self) -> None:
         """No rows any more (a reset cache): every page is free for the next batch's rows."""
         self.row_pages, self.next_free, self.lookup_table = [], 0, None
@@ -297,11 +322,8 @@ def _make_layer_class(CacheLayerMixin):
             return self.seen + query_length, 0
 
         def reset(self) -> None:
+            self.owner._roll_back_step()
             self.seen, self.lengths, self.gathers = 0, None, False
-            # The owner's step memo (_batch_step) is keyed on positions and the mask's address: after a
-            # reset the next forward starts at position 0 again, and a mask at the same address (a
-            # reused buffer, or the allocator's) with other padding would take the old step's rows.
-            self.owner._forget_step()
             self.owner._kept = None
             # the next forward may be a batch of another size: the rows' page lists go (their pages stay
             # allocated and are handed out again), or the old row count would stay in the lookup table
@@ -329,6 +351,19 @@ def _make_layer_class(CacheLayerMixin):
             self._whole_cache_only("batch_select_indices")
 
     return PagedLayer
+
+
+class _ForwardStep:
+    """A forward of a PagedCache in progress: what it started from, and each layer's new state."""
+
+    def __init__(self, cache):
+        self.pool_state = None if cache.pool is None else cache.pool.snapshot()
+        self.gathers = [layer.gathers for layer in cache.layers]
+        self.last_layer = -1  # the highest layer index that joined
+        # (positions, query length, batch, mask address) -> (new rows, stored before, lookup table,
+        # padding mask): see PagedKVTransformersCache._batch_step
+        self.rows: dict = {}
+        self.updates: dict[int, tuple] = {}  # layer index -> (positions seen, stored lengths) once it stored
 
 
 class _RaggedStep:
@@ -551,8 +586,9 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             self.pool: _Pool | None = None
             self.collection = collection
             self.ragged: _RaggedStep | None = None
-            self._step_key = None
-            self._step = None
+            # The forward in progress: stored in some layers, committed once every layer has stored
+            # (see _begin_layer); None between forwards.
+            self._step: _ForwardStep | None = None
             # bool [B, positions so far]: which positions of each row are tokens (stored), None when
             # all are; from the last forward's padding mask, see _batch_step and crop
             self._kept: torch.Tensor | None = None
@@ -564,34 +600,91 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             """The collection given as ``collection`` (continuous batching), else None."""
             return self.collection
 
+        # The lookups below answer for the committed state: a forward in progress (or one that
+        # raised in a later layer) has reserved pages and rows that no stored length covers yet.
+
         @property
         def num_pages(self) -> int:
             """Pages per layer now (0 before the first step); the pool grows when a step needs more."""
             if self.collection is not None:
                 return self.collection.num_pages
-            return 0 if self.pool is None else self.pool.num_pages
+            committed = self._committed_pool()
+            return 0 if committed is None else committed[0]
 
         def layer_pages(self, layer_idx: int) -> _LayerPages:
             """Layer layer_idx's pages: .k [N, P, Hk, Dk], .v [N, P, Hk, Dv], .k_scales / .v_scales
-            (FP8), with page ids from ``lookup_table``; KeyError before the layer's first store."""
+            (FP8), with page ids from ``lookup_table``; KeyError before the layer's first store.
+            While a forward is in progress the tensors may hold more pages than ``num_pages``."""
+            committed = self._committed_pool()
+            if committed is None or layer_idx not in committed[1]:
+                raise KeyError(layer_idx)
             return self.pool.layers[layer_idx]
 
         @property
         def lookup_table(self) -> torch.Tensor | None:
             """int32 [B, pages]: the page ids of each row (None before the first step)."""
-            return None if self.pool is None else self.pool.lookup_table
+            committed = self._committed_pool()
+            return None if committed is None else committed[-1]
+
+        def _committed_pool(self) -> tuple | None:
+            """(num_pages, layer indices, lookup_table) of the pool as the last completed forward left
+            it; None when there was no pool then."""
+            if self._step is not None:
+                state = self._step.pool_state
+                return None if state is None else (state[0], state[1], state[-1])
+            return None if self.pool is None else (self.pool.num_pages, self.pool.layers, self.pool.lookup_table)
 
         def _ensure_pool(self, key: torch.Tensor, rows: int, tokens: int) -> _Pool:
             if self.pool is None:
                 dtype = self.kv_dtype or key.dtype
                 pages = self.initial_pages or max(1, rows * -(-tokens // self.page_size))
                 self.pool = _Pool(self.page_size, dtype, key.device, pages, self.quant_group)
-            elif self.pool.row_pages and not any(layer.seen for layer in self.layers):
-                # Rows reserved by a first forward that failed before any layer stored (paged_store
-                # refusing keys that require grad, say): they hold nothing, and kept, a retry with
-                # another batch would find the old row count in the lookup table.
-                self.pool.forget_rows()
             return self.pool
+
+        # -- a forward is one step: every layer stores, or none does -----------------------
+        # Layers store one after the other, and model code between them may raise (paged_store
+        # refusing keys that require grad in a later layer, a refusal from attention, an
+        # interrupt). So a layer's new lengths and positions wait in the step until the last
+        # layer has stored and attended; public methods and the next forward see the committed
+        # state, and a step left behind is rolled back (its reservations and copies undone).
+
+        def _begin_layer(self, layer_idx: int) -> _ForwardStep:
+            """The step layer layer_idx joins. Layers run in order within a forward, so a layer at or
+            below one that already joined starts a new forward: the pending step never reached its
+            last layer and is rolled back first."""
+            step = self._step
+            if step is not None and layer_idx <= step.last_layer:
+                self._roll_back_step()
+                step = None
+            if step is None:
+                step = self._step = _ForwardStep(self)
+            step.last_layer = layer_idx
+            return step
+
+        def _end_layer(self, step: _ForwardStep, layer, seen: int, lengths: torch.Tensor | None) -> None:
+            """Layer `layer` stored and attended in `step`; the last layer to do so commits the step."""
+            step.updates[layer.layer_idx] = (seen, lengths)
+            if len(step.updates) < len(self.layers):
+                return
+            for other in self.layers:
+                other.seen, other.lengths = step.updates[other.layer_idx]
+            if step.rows:
+                # The mask covers every position so far: crop reads which positions were tokens.
+                self._kept = next(iter(step.rows.values()))[3]
+            self._step = None
+
+        def _roll_back_step(self) -> None:
+            """Undoes the pending step, if any: the pool back to its snapshot (or to no pool), each
+            layer's gathering mode as it was. Lengths, positions and the padding mask were not changed."""
+            step, self._step = self._step, None
+            if step is None:
+                return
+            if step.pool_state is None:
+                self.pool = None
+            else:
+                self.pool.restore(step.pool_state)
+            for layer, gathers in zip(self.layers, step.gathers):
+                layer.gathers = gathers
 
         @staticmethod
         def _check_batch(layer, batch: int, held: int) -> None:
@@ -603,39 +696,37 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                     "PagedCache continues the batch it holds (call reset() first for a new batch)"
                 )
 
-        def _batch_step(self, layer, key, attention_mask):
-            """Rows of this forward for `layer`: what is stored where. Computed once per forward
-            (the first layer to arrive) and shared by the others."""
+        def _batch_step(self, step, layer, key, attention_mask):
+            """Rows of this forward for `layer`: what is stored where. Computed once per forward and
+            mask (the first layer to arrive with it) and shared by the others."""
             batch, _, q_len, _ = key.shape
             if layer.lengths is not None:
                 self._check_batch(layer, batch, layer.lengths.size(0))
-            step_key = (layer.seen, q_len, batch, attention_mask.data_ptr() if attention_mask is not None else 0)
-            if self._step_key == step_key and self._step is not None:
-                return self._step
+            rows_key = (layer.seen, q_len, batch, attention_mask.data_ptr() if attention_mask is not None else 0)
+            rows = step.rows.get(rows_key)
+            if rows is not None:
+                return rows
             keep = _padding_mask(attention_mask, batch, layer.seen + q_len, key.device)
             new = _Rows(None if keep is None else keep[:, -q_len:], batch, q_len, key.device)
             stored_before = layer.lengths if layer.lengths is not None else torch.zeros_like(new.counts)
             pool = self._ensure_pool(key, batch, layer.seen + q_len)
             before, after = torch.stack((stored_before, stored_before + new.counts)).tolist()  # one device read
             lookup = pool.reserve(after, before)
-            self._step_key, self._step = step_key, (new, stored_before, lookup, keep)
-            return self._step
+            rows = step.rows[rows_key] = (new, stored_before, lookup, keep)
+            return rows
 
         def attend(self, layer_idx, query, key, value, attention_mask, options) -> torch.Tensor:
             layer = self.layers[layer_idx]
             if self.ragged is not None:
                 return self._attend_ragged(layer_idx, query, key, value, options)
+            step = self._begin_layer(layer_idx)
             if query.size(2) != key.size(2):
                 raise ValueError("PagedCache: query and key lengths differ for this step")
-            new, stored_before, lookup, keep = self._batch_step(layer, key, attention_mask)
+            new, stored_before, lookup, keep = self._batch_step(step, layer, key, attention_mask)
             pages = self.pool.layer(layer_idx, key.transpose(1, 2), value.transpose(1, 2))
             pages.store(new.pack(key), new.pack(value), new.offsets, stored_before, lookup)
             out = pages.attend(new.pack(query), new.offsets, stored_before, lookup, options)
-            layer.lengths = stored_before + new.counts
-            layer.seen += key.size(2)
-            # The mask covers every position so far: crop reads which were tokens. Taken once the
-            # layer holds them, so that a forward that failed (store refused) leaves crop its old mask.
-            self._kept = keep
+            self._end_layer(step, layer, layer.seen + key.size(2), stored_before + new.counts)
             return new.unpack(out)
 
         def start_gathering(self, layer, key, value) -> None:
@@ -657,6 +748,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             """Stores key [B, H, S, Dk] / value [B, H, S, Dv] at positions seen.. of every row
             (padding included: the model masks it) and returns each row's whole history."""
             batch, heads, new_len, _ = key.shape
+            step = self._begin_layer(layer.layer_idx)
             if layer.seen:
                 self._check_batch(layer, batch, 0 if self.pool is None else len(self.pool.row_pages))
             length = layer.seen + new_len
@@ -666,8 +758,8 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             rows = _Rows(None, batch, new_len, key.device)
             before = torch.full((batch,), layer.seen, dtype=torch.int32, device=key.device)
             pages.store(rows.pack(key), rows.pack(value), rows.offsets, before, lookup)
-            layer.seen = length
             k, v = pages.gather(lookup, before + new_len, key.dtype)
+            self._end_layer(step, layer, length, layer.lengths)
             return (k.view(batch, length, heads, -1).transpose(1, 2),
                     v.view(batch, length, heads, -1).transpose(1, 2))
 
@@ -699,11 +791,13 @@ def _paged_cache_class(Cache, CacheLayerMixin):
 
         # -- rows reordered or cut between forwards: beam search, assisted decoding ----------
         # Every argument is checked before anything changes: a refused call leaves the cache as it was.
+        # Each first rolls back a forward that raised before its last layer (see _begin_layer).
 
         def reorder_cache(self, beam_idx) -> None:
             """Beam search: row i continues the history of old row beam_idx[i]. The rows' page lists
             are copied, not the pages (a row copies a shared page only before writing into it)."""
             self._refuse_in_continuous_batching("reorder_cache")
+            self._roll_back_step()
             rows = self._held_rows()
             sources = _row_indices("beam_idx", beam_idx, rows)
             if rows and len(sources) != rows:
@@ -715,6 +809,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
         def batch_select_indices(self, indices) -> None:
             """Keeps the rows `indices` (in that order; a row may come more than once)."""
             self._refuse_in_continuous_batching("batch_select_indices")
+            self._roll_back_step()
             rows = self._held_rows()
             sources = _row_indices("indices", indices, rows)
             if rows:
@@ -723,6 +818,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
         def batch_repeat_interleave(self, repeats: int) -> None:
             """Each row `repeats` times in a row (row b becomes rows b*repeats .. b*repeats+repeats-1)."""
             self._refuse_in_continuous_batching("batch_repeat_interleave")
+            self._roll_back_step()
             _check_positive_int("repeats", repeats)
             rows = self._held_rows()
             if rows:
@@ -734,6 +830,7 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             4.57 crop(max_length) keeps max_length positions, or removes -max_length when negative.
             Pages past a row's new end are released."""
             self._refuse_in_continuous_batching("crop")
+            self._roll_back_step()
             held = self._held_positions()
             removed = _positions_to_remove(_CROP_ARGUMENT[Cache], length, held)
             if not removed:
@@ -749,7 +846,6 @@ def _paged_cache_class(Cache, CacheLayerMixin):
                 self._kept = self._kept[:, :end]
             if self.pool is not None:
                 self.pool.truncate_rows(self._tokens_per_row())
-            self._forget_step()
 
         def _tokens_per_row(self) -> list[int]:
             """The most tokens each row holds in any layer (the pages it needs); a layer that gathers
@@ -781,12 +877,6 @@ def _paged_cache_class(Cache, CacheLayerMixin):
             if self._kept is not None:
                 self._kept = self._kept.index_select(0, index.to(self._kept.device))
             self.pool.select_rows(sources)
-            self._forget_step()
-
-        def _forget_step(self) -> None:
-            # The step memo (_batch_step) is keyed on positions and the mask's address: after rows or
-            # positions change, a forward with the same key must not take the old step's rows and pages.
-            self._step_key = self._step = None
 
         def _refuse_in_continuous_batching(self, what: str) -> None:
             if self.collection is not None:
