@@ -516,22 +516,20 @@ def run_soak(
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-QUICK = dict(num_requests=300)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.demo.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
-    parser.add_argument("--requests", type=int, default=None, help="requests (default 2000 tiny, 120 smollm2)")
+    parser.add_argument("--requests", type=int, default=None, help="requests (default 2000 tiny, 40 smollm2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-pages", type=int, default=None, help="pool pages (default 48 tiny, 40 smollm2)")
+    parser.add_argument("--num-pages", type=int, default=None, help="pool pages (default 48 tiny, 24 smollm2)")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per page (default 4 tiny, 16 smollm2)")
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--solo-share", type=float, default=1.0,
                         help="share of requests compared with a solo run, drawn by the seed (default 1: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", default=None, help="write the result here")
-    parser.add_argument("--quick", action="store_true", help="300 requests (tiny) / 30 (smollm2)")
+    parser.add_argument("--rss-samples", type=int, default=10, help="resident memory readings over the run")
+    parser.add_argument("--quick", action="store_true", help="300 requests (tiny) / 12 (smollm2)")
     return parser.parse_args(argv)
 
 
@@ -539,11 +537,13 @@ def settings_for(args: argparse.Namespace) -> SoakSettings:
     if args.model == "tiny":
         settings = SoakSettings(num_requests=300 if args.quick else 2000)
     else:
-        # SmolLM2: pages of 16 as in the demo, prompts to 200 tokens, a pool of a fraction of the
-        # running requests' needs.
-        settings = SoakSettings(num_requests=30 if args.quick else 120, num_pages=40, page_size=16,
-                                max_prefill_tokens=512, prompt_tokens=(1, 200), new_tokens=(1, 48),
-                                max_outstanding=16, load_period_steps=8)
+        # SmolLM2: pages of 16 as in the demo; a request takes up to 12 of the 24 pages, so a few
+        # running requests fill the pool. Aborts and failing steps are made more frequent so that a
+        # run of a few dozen requests (minutes on two cores) takes those paths too.
+        settings = SoakSettings(num_requests=12 if args.quick else 40, num_pages=24, page_size=16,
+                                max_prefill_tokens=512, prompt_tokens=(1, 160), new_tokens=(1, 32),
+                                max_outstanding=12, load_period_steps=8, abort_share=0.2, bad_request_share=0.1,
+                                fault_share=0.05)
     if args.requests is not None:
         settings.num_requests = args.requests
     if args.num_pages is not None:
@@ -553,6 +553,7 @@ def settings_for(args: argparse.Namespace) -> SoakSettings:
     settings.max_running = args.max_running
     settings.seed = args.seed
     settings.solo_share = args.solo_share
+    settings.rss_samples = args.rss_samples
     return settings
 
 
@@ -594,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_soak(settings, loaded, stop_token_ids, model_name=args.model, log=log)
     summary = {
         "command": "python -m pagedkv.demo.soak " + " ".join(sys.argv[1:] if argv is None else argv),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "commit": _commit(),
         "cpu": _cpu(),
         "torch": torch.__version__,
@@ -606,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             out.write(text + "\n")
+    print(f"{summary['command']}\ncommit {summary['commit']}, {summary['cpu']}, torch {summary['torch']}, "
+          f"{args.threads} thread(s), finished {summary['finished_utc']} UTC, load average after "
+          f"{', '.join(f'{x:.1f}' for x in summary['load_average_after'])}")
     print(
         f"{result.completed} completed ({result.completed_on_stop} on a stop token), {result.aborted} aborted ({result.aborted_running} while running), "
         f"{result.refused} bad requests refused, {result.injected_faults} steps failed in a layer and rerun; "
