@@ -2,8 +2,8 @@
 # Install on a bare machine and run every test: the Python suite (CPU; CUDA
 # cases skip without a GPU), the C core tests under ASan+UBSan, the C fuzzer
 # smoke run, the transformers 4.57 line, the per-ISA op tests, the wheel stage
-# (scripts/test_wheel.sh), the CUDA compile check and the vLLM integration
-# (scripts/test_vllm.sh). This is what CI runs (.ci/run).
+# (scripts/test_wheel.sh), the newest torch and transformers on PyPI (scripts/test_newest.sh),
+# the CUDA compile check and the vLLM integration (scripts/test_vllm.sh). This is what CI runs (.ci/run).
 #
 #   bash scripts/test.sh            every stage (about 21 minutes on 2 cores)
 #   bash scripts/test.sh --quick    install/build and the Python main suite only (the edit-test loop)
@@ -59,6 +59,8 @@ skip_stage() {
 }
 summary() {
   local rc=$? width=5 i name
+  # a background download still running when the run ends (a failed stage) goes with it
+  [ -z "${newest_prepare_pid:-}" ] || kill "$newest_prepare_pid" 2>/dev/null || true
   if [ "$rc" -eq 0 ]; then end_stage passed; else end_stage "FAILED (exit $rc)"; fi
   for name in ${stage_names[@]+"${stage_names[@]}"}; do [ ${#name} -le "$width" ] || width=${#name}; done
   printf '\n==> summary\n'
@@ -76,6 +78,15 @@ summary() {
 trap summary EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+# The newest-torch stage's venv (several GB from PyPI) downloads in the background while the stages
+# before it run; the stage waits for it.
+newest_prepare_pid=""
+if [ "$quick" = 0 ]; then
+  mkdir -p .deps
+  bash scripts/test_newest.sh --prepare >.deps/newest-prepare.log 2>&1 &
+  newest_prepare_pid=$!
+fi
 
 stage "install and build" "scripts/install.sh test"
 bash scripts/install.sh test
@@ -98,7 +109,7 @@ python3 -m pytest -q -ra tests
 
 if [ "$quick" = 1 ]; then
   end_stage passed
-  for name in "transformers 4.57" "per-ISA stages" "wheel" "CUDA build check" "vLLM"; do
+  for name in "transformers 4.57" "per-ISA stages" "wheel" "newest torch" "CUDA build check" "vLLM"; do
     skip_stage "$name" --quick
   done
   exit 0
@@ -130,6 +141,13 @@ done
 
 stage "wheel" "CPU wheel built, installed with its torch into a fresh venv without a compiler, smoke test"
 bash scripts/test_wheel.sh
+
+stage "newest torch" "the newest torch and transformers on PyPI in their own venv: build, self-test, tests/ops, the architecture sweep"
+# (the background download's log first; the stage installs again itself if that failed)
+wait "$newest_prepare_pid" || printf 'the background preparation failed; scripts/test_newest.sh retries it\n'
+newest_prepare_pid=""
+grep -v "^WARNING: Location" .deps/newest-prepare.log || true
+bash scripts/test_newest.sh
 
 if [ -f .ci/cuda_build_check.sh ] && [ "${PAGEDKV_SKIP_CUDA_BUILD:-0}" != "1" ]; then
   stage "CUDA build check" "every .cu for sm_80, sm_90a, sm_100a; gather4 in the sm_100a binary"
