@@ -189,6 +189,7 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
         # vLLM's window counts the query's own token: keys p - (W - 1) .. p are visible.
         self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.softcap = float(logits_soft_cap or 0.0)
+        self.check_configuration()
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
         # The model's parameter, filled when vLLM loads the weights (after this runs): read at each forward.
@@ -217,6 +218,9 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
         k_cache, v_cache = self.cache_views(kv_cache)
         k_scale, v_scale = self.fp8_scales(layer)
         meta = attn_metadata
+        # Everything the attention call could refuse is checked before the store writes the cache: a step
+        # that raises leaves the cache as it was.
+        self.check_step(query, output, v_cache)
         # A layer that shares another layer's cache reads it; that layer already stored this step.
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             self.store(key, value, k_cache, v_cache, k_scale, v_scale, meta)
@@ -228,6 +232,36 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
                          scale=self.scale, causal=meta.causal, k_scales=k_scale, v_scales=v_scale,
                          window_left=self.window_left, softcap=self.softcap, sinks=sinks, out=output)
         return output
+
+    def check_configuration(self) -> None:
+        """Refuse at engine start what flash_attn_paged would refuse at every step (heads that do not group,
+        a softcap out of range, ...): one token over a one-page cache, with this layer's heads, sizes,
+        scale, window and softcap, asks the ops' own checks."""
+        # float32 on the CPU whatever vLLM's default device and dtype are while it builds the model: the checks
+        # are the core's, shared by every device
+        cpu = torch.device("cpu")
+        query = torch.zeros(1, self.num_heads, self.head_size, dtype=torch.float32, device=cpu)
+        cache = torch.zeros(1, 1, self.num_kv_heads, self.head_size, dtype=torch.float32, device=cpu)
+        one_row = torch.tensor([0, 1], dtype=torch.int32, device=cpu)
+        try:
+            flash_attn_paged(query, one_row, cache, cache, one_row[:1], torch.zeros(1, 1, dtype=torch.int32, device=cpu),
+                             scale=self.scale, window_left=self.window_left, softcap=self.softcap)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise NotImplementedError(f"pagedkv attention backend: this layer's attention is refused: {error}; "
+                                      f"{NOT_SUPPORTED_HINT}") from error
+
+    def check_step(self, query: torch.Tensor, output: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The step's query and output buffer as this layer attends: query [T, Hq, D], output [T, Hq, Dv] in the
+        query's dtype (what flash_attn_paged writes into)."""
+        expected_query = (self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expected_query:
+            raise ValueError(f"pagedkv attention backend: query must be [T, {self.num_heads}, {self.head_size}], "
+                             f"got {list(query.shape)}")
+        expected_output = (query.size(0), self.num_heads, v_cache.size(-1))
+        if tuple(output.shape) != expected_output or output.dtype != query.dtype:
+            raise ValueError(f"pagedkv attention backend: output must be {list(expected_output)} {query.dtype} "
+                             f"(query's rows and dtype, the cache's value size), got {list(output.shape)} "
+                             f"{output.dtype}")
 
     def store(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], meta: PagedKVMetadata) -> None:
