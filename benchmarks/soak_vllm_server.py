@@ -51,6 +51,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import aiohttp
@@ -611,7 +612,7 @@ def parse_args(argv=None):
     parser.add_argument("--logprobs", type=int, default=2, help="top logprobs streamed per token (for mismatches)")
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", help="results file name without extension")
-    parser.add_argument("--log-dir", help="where the servers' logs go (default: next to the results)")
+    parser.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -624,7 +625,7 @@ def main(argv=None) -> int:
     workload = make_workload(args)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     name = args.name or f"vllm_soak_cpu{'_quick' if args.quick else ''}_{time.strftime('%Y-%m-%d', time.gmtime())}"
-    log_dir = args.log_dir or args.results_dir
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="soak_vllm_server_")
     os.makedirs(log_dir, exist_ok=True)
     results = []
     for backend in args.backends:
