@@ -440,3 +440,18 @@ def test_batch_constructor_errors(offsets, lengths, table, exc, name):
     }
     with pytest.raises(exc, match=name):
         KVCacheBatch(tensor(offsets), tensor(lengths), tables[table])
+
+
+def test_host_read_arguments_are_checked_by_name():
+    """Arguments read on the host: a slot given as one int raised "'int' object is not iterable", meta
+    tensors given to KVCacheBatch "Cannot copy out of meta tensor"; both name the argument now."""
+    cache = ContinuousBatchingKVCache(5, L, 12, HK, D, dtype=torch.float32)
+    for bad in (3, "03", None):
+        with pytest.raises(TypeError, match=r"^slots must be a sequence of ints or a 1-D integer tensor, got "):
+            cache.lookup_table(bad)
+    with pytest.raises(ValueError, match=r"slots must hold values .* got a meta tensor"):
+        cache.lookup_table(torch.tensor([1], device="meta"))
+    assert cache.lookup_table((4, 1)).tolist() == [[4], [1]]
+    meta = [t.to("meta") for t in (_i32([0, 2]), _i32([3]), torch.zeros((1, 1), dtype=torch.int32))]
+    with pytest.raises(ValueError, match=r"^KVCacheBatch: input_row_offsets must hold values"):
+        KVCacheBatch(*meta)

@@ -146,6 +146,37 @@ def test_cascade_rejects_rows_that_do_not_share_the_prefix():
         pagedkv.cascade_attention(*args, table, 2.0)
 
 
+def test_cascade_checks_its_arguments_by_name_as_the_ops_do():
+    """The cascade reads input_row_offsets, cache_lengths and lookup_table itself (the prefix check,
+    the offsets' end, the table's columns) before any op sees them: 2-D or empty offsets gave a
+    broadcast error or an IndexError, meta lengths or tables beside a CPU cache "Cannot copy out of meta
+    tensor". Each is now refused naming the argument (type, rank, int32, device, B), nothing computed."""
+    gen = generator(4)
+    kv, batch, table = shared_prefix_batch(gen, "cpu", shared_pages=2, own=[1, 2], new=[1, 1])
+    q = ragged_inputs(gen, batch.num_tokens, 4, 32, torch.float32)
+    offsets, lengths = batch.input_row_offsets, batch.cache_lengths
+    good = dict(q=q, input_row_offsets=offsets, k_cache=kv.k_cache, v_cache=kv.v_cache, cache_lengths=lengths,
+                lookup_table=table)
+    cases = [  # (argument, bad value, error, message after "cascade_attention: ")
+        ("input_row_offsets", offsets[None], ValueError, r"input_row_offsets must be 1-D \[B\+1\], got 2-D"),
+        ("input_row_offsets", offsets[:0], ValueError,
+         r"input_row_offsets\.size\(0\) must be B\+1 \(B = 2 rows of cache_lengths\), got 0"),
+        ("input_row_offsets", offsets.tolist(), TypeError, r"input_row_offsets must be a 1-D tensor \[B\+1\], got list"),
+        ("input_row_offsets", offsets.long(), ValueError, r"input_row_offsets must be int32, got int64"),
+        ("cache_lengths", lengths.to("meta"), ValueError,
+         r"cache_lengths must be on the same device as k_cache \(cpu\), got meta"),
+        ("cache_lengths", lengths[:1], ValueError, r"lookup_table\.size\(0\) must be 1 \(B, the length of cache_lengths\)"),
+        ("lookup_table", table.to("meta"), ValueError,
+         r"lookup_table must be on the same device as k_cache \(cpu\), got meta"),
+        ("lookup_table", table[0], ValueError, r"lookup_table must be 2-D \[B, max_pages\], got 1-D"),
+        ("q", q[0], ValueError, r"q must be 3-D \[T, Hq, D\], got 2-D"),
+        ("k_cache", kv.k_cache[0], ValueError, r"k_cache must be 4-D \[N, P, Hk, D\], got 3-D"),
+    ]
+    for name, value, error, message in cases:
+        with pytest.raises(error, match=rf"^cascade_attention: {message}"):
+            pagedkv.cascade_attention(**{**good, name: value}, shared_pages=2)
+
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

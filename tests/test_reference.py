@@ -332,3 +332,31 @@ def test_attention_output_dtype_and_zero_rows(rng):
     assert out.dtype == torch.bfloat16 and out.shape == (5, 2, 8)
     assert torch.isfinite(out).all()
     assert (out[2:] == 0).all() and (out[:2] != 0).any()
+
+
+def test_index_arguments_are_checked_by_name():
+    """The reference reads the index tensors as the ops check them: a 2-D input_row_offsets was read
+    flattened (a store ran), an empty one attended nothing, a list raised AttributeError, meta lengths
+    "Cannot copy out of meta tensor". Each now raises naming the argument, nothing written."""
+    k, v = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+    key, q = torch.randn(1, 1, 8), torch.randn(1, 2, 8)
+    i32 = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    offsets, lengths, table = i32(0, 1), i32(0), i32(0)[None]
+    cases = [
+        ("input_row_offsets", offsets[None], ValueError, r"input_row_offsets must be 1-D \[B\+1\], got 2-D"),
+        ("input_row_offsets", [0, 1], TypeError, r"input_row_offsets must be a 1-D tensor \[B\+1\], got list"),
+        ("input_row_offsets", offsets[:0], ValueError, r"input_row_offsets\.size\(0\) must be B\+1"),
+        ("cache_lengths", lengths.to("meta"), ValueError, r"cache_lengths must be on the same device as the cache"),
+        ("lookup_table", table.long(), ValueError, r"lookup_table must be int32, got int64"),
+    ]
+    for name, value, error, message in cases:
+        args = {"input_row_offsets": offsets, "cache_lengths": lengths, "lookup_table": table, name: value}
+        with pytest.raises(error, match=rf"^paged_store: {message}"):
+            ref.paged_store(key, key, k, v, args["input_row_offsets"], args["cache_lengths"], args["lookup_table"])
+        assert not k.any() and not v.any()
+        with pytest.raises(error, match=rf"^flash_attn_paged: {message}"):
+            ref.flash_attn_paged(q, args["input_row_offsets"], k, v, args["cache_lengths"], args["lookup_table"])
+    with pytest.raises(ValueError, match=r"^paged_load: output_row_offsets\.size\(0\) must be B or B\+1"):
+        ref.paged_load(k, None, table, i32(1), i32(0, 1, 1), torch.zeros(1, 1, 8))
+    with pytest.raises(TypeError, match=r"^kv_format must be None, 'fp8_ds_mla' or 'fp8_rope' \(a str\), got list"):
+        ref.paged_load(k, None, table, i32(1), i32(0), torch.zeros(1, 1, 8), kv_format=["fp8_ds_mla"])

@@ -21,10 +21,12 @@ holds DeepSeek MLA keys in the packed rows of a `kv_format` (CONTRACT v1.2, page
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 
 from . import host_alloc
+from .argument_checks import check_host_readable
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, is_fp8, is_per_tensor_scale, num_scale_groups
 from .kv_formats import DS_MLA_GROUP, KEY_DIM, LATENT_DIM, packed_row
 
@@ -139,6 +141,8 @@ class KVCacheBatch:
                 "input_row_offsets, cache_lengths and lookup_table must be on one device, "
                 f"got {sorted(str(d) for d in devices)}"
             )
+        check_host_readable("KVCacheBatch", input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
+                            lookup_table=lookup_table)
         offsets = [int(v) for v in input_row_offsets.cpu().tolist()]
         lengths = [int(v) for v in cache_lengths.cpu().tolist()]
         if offsets[0] != 0:
@@ -612,7 +616,10 @@ class ContinuousBatchingKVCache(_LayerMajorBlocks):
         if isinstance(slots, torch.Tensor):
             if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
                 raise TypeError(f"slots must hold integers, got a {slots.dtype} tensor")
+            check_host_readable("ContinuousBatchingKVCache.lookup_table", slots=slots)
             slots = slots.reshape(-1).tolist()
+        elif not isinstance(slots, Sequence) or isinstance(slots, (str, bytes)):
+            raise TypeError(f"slots must be a sequence of ints or a 1-D integer tensor, got {type(slots).__name__}")
         values = []
         for b, slot in enumerate(slots):
             if isinstance(slot, bool):

@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from .argument_checks import check_index_tensors, check_tensor
+from .kv_formats import kv_format_row
 from .ops import checks_enabled, flash_attn_paged, flash_attn_paged_lse, merge_attn_states
 
 __all__ = ["cascade_attention"]
@@ -69,17 +71,23 @@ def cascade_attention(
     Returns `[T, Hq, Dv]` in q's dtype; padding rows are zeros. Packed MLA rows (`kv_format`,
     `v_cache=None`) as for `flash_attn_paged`.
     """
+    # The index tensors are read here (the prefix check, the offsets' end, the table's columns) before
+    # any op sees them: checked as the ops check them, so that an error names the argument.
+    op = "cascade_attention"
+    kv_format_row(kv_format, op)
+    check_tensor(op, "k_cache", k_cache, 4, "[N, P, Hk, D]")
+    check_tensor(op, "q", q, 3, "[T, Hq, D]", device=k_cache.device, device_ref="k_cache")
+    check_index_tensors(op, "input_row_offsets", input_row_offsets, "cache_lengths", cache_lengths, lookup_table,
+                        k_cache.device, "k_cache")
     if not isinstance(shared_pages, int) or isinstance(shared_pages, bool):
         raise TypeError(f"cascade_attention: shared_pages must be an int, got {type(shared_pages).__name__}")
-    if lookup_table.dim() != 2 or not 1 <= shared_pages <= lookup_table.size(1):
+    if not 1 <= shared_pages <= lookup_table.size(1):
         raise ValueError(
-            f"cascade_attention: shared_pages must be in [1, lookup_table.size(1)] "
-            f"(= {lookup_table.size(1) if lookup_table.dim() == 2 else '?'}), got {shared_pages}"
+            f"cascade_attention: shared_pages must be in [1, lookup_table.size(1)] (= {lookup_table.size(1)}), "
+            f"got {shared_pages}"
         )
-    if k_cache.dim() != 4:
-        raise ValueError(f"cascade_attention: k_cache must be 4-D [N, P, Hk, D], got {k_cache.dim()}-D")
     prefix_len = shared_pages * k_cache.size(1)
-    if k_cache.device.type == "cpu" or checks_enabled():
+    if k_cache.device.type == "cpu" or (checks_enabled() and not k_cache.is_meta):  # meta tensors hold no values
         _check_shared_prefix(lookup_table, cache_lengths, shared_pages, prefix_len)
 
     attn = dict(scale=scale, k_scales=k_scales, v_scales=v_scales, quant_group=quant_group, softcap=softcap,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["LATENT_DIM", "ROPE_DIM", "KEY_DIM", "DS_MLA_GROUP", "PackedRow", "KV_FORMATS", "packed_row"]
+__all__ = ["LATENT_DIM", "ROPE_DIM", "KEY_DIM", "DS_MLA_GROUP", "PackedRow", "KV_FORMATS", "packed_row",
+           "kv_format_row"]
 
 LATENT_DIM = 512  # e4m3 latent channels: the logical value (Dv)
 ROPE_DIM = 64  # bfloat16 rope channels after the latent in the logical key
@@ -46,10 +47,26 @@ KV_FORMATS = {
 }
 
 
-def packed_row(kv_format: str | None) -> PackedRow | None:
-    """The row layout of `kv_format`; None for None (a plain cache). Another name raises ValueError."""
+_NAMES = "None, " + " or ".join(repr(name) for name in KV_FORMATS)
+
+
+def kv_format_row(kv_format, op: str = "") -> PackedRow | None:
+    """The one reading of a `kv_format` argument (every op wrapper, the cache objects, the reference):
+    the row layout of a packed format, None for None and for a str naming no format (the op refuses
+    that name itself, naming kv_format). Anything but None or a str raises TypeError naming kv_format
+    and its type: torch's schema parser would read bytes as the name and report a list by position."""
     if kv_format is None:
         return None
-    if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
-        raise ValueError(f"kv_format must be None, 'fp8_ds_mla' or 'fp8_rope', got {kv_format!r}")
-    return KV_FORMATS[kv_format]
+    if not isinstance(kv_format, str):
+        prefix = f"{op}: " if op else ""
+        raise TypeError(f"{prefix}kv_format must be {_NAMES} (a str), got {type(kv_format).__name__} {kv_format!r}")
+    return KV_FORMATS.get(kv_format)
+
+
+def packed_row(kv_format: str | None) -> PackedRow | None:
+    """The row layout of `kv_format`; None for None (a plain cache). Another name raises ValueError,
+    another type TypeError, each naming kv_format."""
+    layout = kv_format_row(kv_format)
+    if kv_format is not None and layout is None:
+        raise ValueError(f"kv_format must be {_NAMES}, got {kv_format!r}")
+    return layout

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.pagedkv)
-from .kv_formats import KEY_DIM, KV_FORMATS, LATENT_DIM
+from .kv_formats import KEY_DIM, KV_FORMATS, LATENT_DIM, kv_format_row
 
 _ops = torch.ops.pagedkv
 
@@ -66,6 +66,7 @@ def paged_store(
     Bad input raises RuntimeError naming the argument, with nothing written.
     """
     _check_scalars("paged_store", quant_group=quant_group)
+    kv_format_row(kv_format, "paged_store")
     _ops.paged_store(
         key, value, k_cache, v_cache, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, quant_group,
         kv_format,
@@ -92,6 +93,12 @@ def paged_load(
     [sum(seq_lens), 1, 576] (float32 by default); fp8_rope's per-tensor scale is `scales`.
     """
     _check_scalars("paged_load", quant_group=quant_group)
+    packed = kv_format_row(kv_format, "paged_load") is not None
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"paged_load: out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"paged_load: out_dtype must be torch.float32, torch.float16 or torch.bfloat16 (None: the "
+                         f"cache dtype, float32 for FP8 and packed caches), got {out_dtype}")
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise TypeError(f"paged_load: seq_lens must be a 1-D int32 tensor, got {_describe(seq_lens)}")
     if seq_lens.is_meta:  # torch's own error ("Cannot copy out of meta tensor") named nothing
@@ -99,7 +106,6 @@ def paged_load(
                          "torch.ops.pagedkv.paged_load takes a preallocated out")
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise TypeError(f"paged_load: cache must be a 4-D [N, P, Hk, D] tensor, got {_describe(cache)}")
-    packed = kv_format in KV_FORMATS
     if out_dtype is None:
         fp8 = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         out_dtype = torch.float32 if fp8 or packed else cache.dtype
@@ -162,6 +168,7 @@ def flash_attn_paged(
     """
     _check_scalars("flash_attn_paged", causal, scale=scale, quant_group=quant_group, window_left=window_left,
                    softcap=softcap)
+    kv_format_row(kv_format, "flash_attn_paged")
     args = (q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale, causal,
             k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
     if out is None:
@@ -194,8 +201,9 @@ def flash_attn_paged_lse(
     sees (the sink term included); -inf where a row sees no key and has no sink, and on padding rows.
     Two results over disjoint key sets combine exactly with `merge_attn_states`.
     """
-    _check_scalars("flash_attn_paged", causal, scale=scale, quant_group=quant_group, window_left=window_left,
+    _check_scalars("flash_attn_paged_lse", causal, scale=scale, quant_group=quant_group, window_left=window_left,
                    softcap=softcap)
+    kv_format_row(kv_format, "flash_attn_paged_lse")
     return _ops.flash_attn_paged_lse(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale,
                                      causal, k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
 
@@ -237,6 +245,7 @@ def flash_attn_paged_sparse(
     Returns [T, Hq, Dv] in q's dtype.
     """
     _check_scalars("flash_attn_paged_sparse", scale=scale, quant_group=quant_group, softcap=softcap)
+    kv_format_row(kv_format, "flash_attn_paged_sparse")
     return _ops.flash_attn_paged_sparse(q, k_cache, v_cache, indices, scale, k_scales, v_scales, quant_group,
                                         softcap, sinks, kv_format)
 
@@ -323,6 +332,10 @@ def _check_scalars(op, causal=True, **numbers) -> None:
         if isinstance(value, bool):
             kind = "an int" if name in ("quant_group", "window_left") else "a float"
             raise TypeError(f"{op}: {name} must be {kind}, got {value!r}")
+
+
+# What paged_load (and flash attention) write: the float dtypes of `out`.
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _describe(x) -> str:

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from .argument_checks import check_host_readable, check_index_tensors
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, fp8_max, is_fp8, is_per_tensor_scale, num_scale_groups
 from .kv_formats import DS_MLA_GROUP, LATENT_DIM, ROPE_DIM, PackedRow, packed_row
 
@@ -252,6 +253,16 @@ def contiguous_kv(
     return values, lens.to(cache.device)
 
 
+def _check_indices(op, offsets, lengths, lookup_table, cache, lengths_name="cache_lengths",
+                   offsets_name="input_row_offsets", offsets_sizes="B+1"):
+    """The index tensors as the ops check them (type, rank, int32, the cache's device, B), with values
+    to read on the host: errors name the argument, as the ops' do."""
+    device = cache.device if isinstance(cache, torch.Tensor) else None
+    check_index_tensors(op, offsets_name, offsets, lengths_name, lengths, lookup_table, device, "the cache",
+                        offsets_sizes=offsets_sizes)
+    check_host_readable(op, **{offsets_name: offsets, lengths_name: lengths, "lookup_table": lookup_table})
+
+
 def _row_spans(input_row_offsets: torch.Tensor) -> list[tuple[int, int]]:
     offsets = _to_list(input_row_offsets)
     return list(zip(offsets[:-1], offsets[1:]))
@@ -301,7 +312,8 @@ def paged_store(
     scale `s` the codes `fp8(clamp(x / s))` and no scale written. A packed cache (`kv_format`,
     key [T, 1, 576], no value) gets the rows of `pack_mla_rows` (fp8_rope: `k_scales` is its scale).
     """
-    if kv_format is not None and (value is not None or v_cache is not None or v_scales is not None):
+    _check_indices("paged_store", input_row_offsets, cache_lengths, lookup_table, k_cache)
+    if packed_row(kv_format) is not None and (value is not None or v_cache is not None or v_scales is not None):
         raise ValueError(f"kv_format {kv_format!r} stores keys only: value, v_cache and v_scales must be None")
     if (value is None) != (v_cache is None):
         raise ValueError("value must be None if and only if v_cache is None")
@@ -333,6 +345,9 @@ def paged_load(
     entries are read), out [T_out, Hk, D]. FP8 entries are dequantized as `float(q) * s`; a packed
     cache (`kv_format`) gives its logical keys, out [T_out, 1, 576].
     """
+    _check_indices("paged_load", output_row_offsets, seq_lens, lookup_table, cache, "seq_lens", "output_row_offsets",
+                   "B or B+1")
+    packed_row(kv_format)
     offsets = _to_list(output_row_offsets)
     rows = gather_rows(
         cache, scales, lookup_table, seq_lens, quant_group=quant_group, out_dtype=out.dtype, kv_format=kv_format
@@ -436,7 +451,8 @@ def flash_attn_paged_lse(
     """`flash_attn_paged` that also returns `lse [T, Hq]` float32: the natural log of each row's
     softmax denominator (sink included), -inf where a row sees no key and has no sink, and on
     padding rows."""
-    if kv_format is not None:
+    _check_indices("flash_attn_paged", input_row_offsets, cache_lengths, lookup_table, k_cache)
+    if packed_row(kv_format) is not None:
         k_cache, v_cache = _logical_cache(k_cache, v_cache, k_scales, v_scales, kv_format, compute_dtype)
         k_scales = v_scales = None
     num_tokens, num_q_heads, head_dim = q.shape

@@ -553,3 +553,53 @@ def test_decode_paths_match_reference(kernel_options, kv_format, heads, page_siz
         else:
             out = pagedkv.flash_attn_paged(*args, **kwargs)
         assert_attention_close(out, expected, q_dtype, what)
+
+
+# kv_format values of another type than str: torch's schema parser read bytes as the name (paged_store and
+# the attention ops ran; pagedkv.paged_load sized `out` without them and blamed it), and reported a list by
+# position, or paged_load raised "unhashable type: 'list'". Every wrapper now reads kv_format once
+# (kv_formats.kv_format_row) and refuses another type, naming kv_format and the type.
+OTHER_TYPES = [["fp8_ds_mla"], b"fp8_ds_mla", bytearray(b"fp8_rope"), 1, ("fp8_rope",)]
+WRAPPERS = ["paged_store", "paged_load", "flash_attn_paged", "flash_attn_paged_lse", "flash_attn_paged_sparse",
+            "cascade_attention"]
+
+
+def wrapper_call(op, cache, scale, batch, key, q, kv_format):
+    """A call of the Python wrapper `op` over the packed cache; returns a thunk."""
+    if op == "paged_store":
+        return lambda: pagedkv.paged_store(key, None, cache, None, batch.input_row_offsets, batch.cache_lengths,
+                                           batch.lookup_table, scale, kv_format=kv_format)
+    if op == "paged_load":
+        return lambda: pagedkv.paged_load(cache, batch.lookup_table, batch.seq_lens, scales=scale,
+                                          kv_format=kv_format)
+    if op == "flash_attn_paged_sparse":
+        indices = torch.tensor([[[0, 5, -1]]] * q.shape[0], dtype=torch.int32)
+        return lambda: pagedkv.flash_attn_paged_sparse(q, cache, None, indices, k_scales=scale, kv_format=kv_format)
+    args = (q, batch.input_row_offsets, cache, None, batch.cache_lengths, batch.lookup_table)
+    if op == "cascade_attention":
+        return lambda: pagedkv.cascade_attention(*args, 1, k_scales=scale, kv_format=kv_format)
+    return lambda: getattr(pagedkv, op)(*args, k_scales=scale, kv_format=kv_format)
+
+
+@pytest.mark.parametrize("op", WRAPPERS)
+@pytest.mark.parametrize("value", OTHER_TYPES, ids=lambda v: type(v).__name__)
+def test_kv_format_of_another_type_is_refused_by_name(op, value):
+    cache, scale, batch, key, q = error_setup("fp8_ds_mla")
+    before = cache.clone()
+    with pytest.raises(TypeError, match=rf"^{op}: kv_format must be None, 'fp8_ds_mla' or 'fp8_rope' \(a str\), "
+                                        rf"got {type(value).__name__} "):
+        wrapper_call(op, cache, scale, batch, key, q, value)()
+    assert torch.equal(cache, before)
+    with pytest.raises(TypeError, match=r"^kv_format must be None, 'fp8_ds_mla' or 'fp8_rope' \(a str\)"):
+        pagedkv.PagedMLACache(4, 4, kv_format=value)
+
+
+@pytest.mark.parametrize("op", WRAPPERS[:-1])  # the cascade's batch would need a shared prefix first
+def test_an_unknown_kv_format_name_is_refused_by_the_op(op):
+    """A str naming no format reaches the op, which names kv_format (paged_load's convenience sizes its
+    output as a plain cache's for it and is refused the same way, not for `out`)."""
+    cache, scale, batch, key, q = error_setup("fp8_ds_mla")
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match=r": kv_format must be None, 'fp8_ds_mla' or 'fp8_rope', got 'fp8_mla'"):
+        wrapper_call(op, cache, scale, batch, key, q, "fp8_mla")()
+    assert torch.equal(cache, before)

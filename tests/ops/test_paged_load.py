@@ -327,3 +327,24 @@ def test_paged_load_convenience_validates_seq_lens_before_allocating(lengths):
     with pytest.raises(ValueError, match="seq_lens must be"):
         pagedkv.paged_load(cache, table, torch.tensor(lengths, dtype=torch.int32))
 
+
+
+@pytest.mark.parametrize("out_dtype,error,message", [
+    (torch.float64, ValueError, "got torch.float64"),
+    (torch.int32, ValueError, "got torch.int32"),
+    (torch.float8_e4m3fn, ValueError, "got torch.float8_e4m3fn"),
+    ("float32", TypeError, "be a torch.dtype or None, got str"),
+], ids=["float64", "int32", "e4m3", "str"])
+def test_paged_load_convenience_names_a_bad_out_dtype(out_dtype, error, message):
+    """out_dtype=torch.float64 was reported as "out must be float32, ..." (an argument the caller never
+    passed); a str reached torch.empty's error. Both name out_dtype now; the float dtypes work."""
+    kv, args = load_call("cpu", torch.float16)
+    call = (args["cache"], args["lookup_table"], args["seq_lens"])
+    with pytest.raises(error, match=rf"^paged_load: out_dtype must .*{message}"):
+        pagedkv.paged_load(*call, scales=args["scales"], out_dtype=out_dtype, quant_group=G)
+    expected, _ = ref.contiguous_kv(args["cache"], args["scales"], args["lookup_table"], args["seq_lens"],
+                                    quant_group=G, out_dtype=torch.float32)
+    for good in FLOAT_DTYPES:
+        out = pagedkv.paged_load(*call, scales=args["scales"], out_dtype=good, quant_group=G)
+        assert out.dtype == good
+        assert_bytes_equal(out, expected.to(good), f"paged_load out_dtype={good}")
