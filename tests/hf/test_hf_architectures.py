@@ -1,7 +1,11 @@
-"""Every causal-LM architecture the installed transformers ships, as a random tiny model in float32:
-attn_implementation="pagedkv" against eager on a left-padded batch. An architecture whose class
-does not call attention through transformers' AttentionInterface must be refused at construction
-with an error naming pagedkv and the class. Runs under both transformers lines scripts/test.sh uses.
+"""Every causal-LM architecture the installed transformers ships (discovered from its causal-LM
+auto mapping, so a new release's models are in on the day it is installed), as a random tiny model
+in float32: attn_implementation="pagedkv" against eager on a left-padded batch. Each either gives
+eager's results or is refused cleanly, with an error naming pagedkv and the class: at construction
+when its class does not call attention through transformers' AttentionInterface, at its first
+forward when its code reads the attention mask as the 4-D eager mask (pagedkv.hf.mask; on the
+tested transformers lines such a refusal must be listed in REFUSED_AT_FORWARD*). Anything else
+fails. Runs under both transformers lines scripts/test.sh uses, and under a newer one as is.
 
 One test per architecture builds the model once and runs it in every mode: greedy generation with
 the default cache (the logits of every step, prefill and decode, within LOGITS_RTOL_FP32 of eager's,
@@ -62,13 +66,34 @@ SKIP = {
 # transformers 5.x only (4.57 builds and runs it).
 SKIP_5 = {"recurrent_gemma": "recurrent layers only in two layers"}
 # Known wrong with pagedkv: strict expected failures (reason, the exception they fail with), so a
-# fix shows as a failure here. Architectures pagedkv refuses at construction
-# (pagedkv.hf.compat.REFUSED_ARCHITECTURES: model code that reads the 4-D eager mask) and models
-# whose layers a PagedCache cannot hold (compat.PAGED_CACHE_REFUSED: mllama, moshi on 5.x) are
-# not here: the test asserts their errors.
+# fix shows as a failure here. Architectures pagedkv refuses (REFUSED_AT_FORWARD below, classes
+# with _supports_attention_backend = False) and models whose layers a PagedCache cannot hold
+# (compat.PAGED_CACHE_REFUSED: mllama, moshi on 5.x) are not here: the test asserts their errors.
 XFAIL = {}
 # transformers 5.x only.
 XFAIL_5 = {}
+# Refused at their first forward, by what their model code does with the attention mask (see
+# pagedkv.hf.mask): model_type -> what the code does. On the tested transformers lines every
+# refusal must be listed here (a supported model refused by mistake fails); an architecture of a
+# newer line passes with any clean refusal.
+_INDEXER = "its sparse-attention indexer selects keys from the 4-D mask"
+REFUSED_AT_FORWARD = {
+    "doge": "its dynamic mask is computed from the 4-D mask (torch.where on it)",
+}
+REFUSED_AT_FORWARD_4 = {
+    "opt": "it builds its own 4-D mask instead of calling the registered mask function",
+    "persimmon": "it builds its own 4-D mask instead of calling the registered mask function",
+    "fuyu": "its language model (Persimmon) builds its own 4-D mask",
+}
+REFUSED_AT_FORWARD_5 = {
+    "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER, "axk2": _INDEXER, "hy_v4": _INDEXER,
+    "kolibri1_1": _INDEXER + " (transformers 5.25)",
+    "deepseek_v4": "its compressed keys are added after the cache, masked by extending the 4-D mask",
+    "dory": "its looped layers attend over another pass's keys, more keys than the mask was built for",
+}
+# Listed above, and eager fails on the file's tiny config too (so there are no tokens to compare
+# with): the test only checks the refusal.
+NO_EAGER_REFERENCE = {"dory": "eager: the tiny config's looped layers get more keys than its 4-D mask"}
 # Composite models refused at construction through a sub-model whose class sets
 # _supports_attention_backend = False: model_type -> the sub-model class the error names.
 REFUSED_THROUGH_SUBMODEL = {"phi4_multimodal": "Phi4MultimodalAudioModel"}
@@ -198,17 +223,25 @@ def test_architecture_against_eager(model_type):
         with pytest.raises(ValueError, match=f"pagedkv.*{REFUSED_THROUGH_SUBMODEL[model_type]}"):
             build(model_type, "pagedkv")
         return
-    if phf.attention.refused_architecture_message(model_class) is not None:
+    if phf.attention.refused_architecture_message(model_class) is not None:  # _supports_attention_backend = False
         with pytest.raises(ValueError, match=f"pagedkv.*{model_class.__name__}"):
             build(model_type, "pagedkv")
-        if model_class._supports_attention_backend:  # listed in compat.REFUSED_ARCHITECTURES
-            with pytest.raises(ValueError, match=f"pagedkv.*{model_class.__name__}"):
-                build(model_type).set_attn_implementation(phf.IMPLEMENTATION)
+        return
+    if model_type in NO_EAGER_REFERENCE:
+        model = build(model_type, "pagedkv")
+        with pytest.raises(phf.UnsupportedModelError) as refused:
+            generate(model)
+        _check_refused_at_forward(model_type, model, refused.value)
         return
     model = build(model_type)
     expected_tokens, expected_logits = generate(model)
     model.set_attn_implementation(phf.IMPLEMENTATION)
-    tokens, logits = generate(model)
+    try:
+        tokens, logits = generate(model)
+    except (ValueError, NotImplementedError) as error:
+        _check_refused_at_forward(model_type, model, error)
+        return
+    assert model_type not in _refused_at_forward(), "expected a refusal: " + _refused_at_forward()[model_type]
     error = relative_error(logits[0], expected_logits[0])
     assert error <= LOGITS_RTOL_FP32, f"prefill logits: relative error {error:.2e}"
     assert torch.equal(tokens, expected_tokens), "default cache: tokens"
@@ -225,6 +258,34 @@ def test_architecture_against_eager(model_type):
         return
     paged = generate(model, **paged_cache_argument(model, page_size=4))[0]
     assert torch.equal(paged, expected_tokens), "PagedCache: tokens"
+
+
+def _refused_at_forward():
+    return {**REFUSED_AT_FORWARD, **(REFUSED_AT_FORWARD_4 if OLDER_LINE else REFUSED_AT_FORWARD_5)}
+
+
+def _check_refused_at_forward(model_type, model, error):
+    """A refusal by behaviour (pagedkv.hf.mask): the error names pagedkv and the model's class and
+    says what to load instead, for a left-padded batch, an unpadded one and a PagedCache alike. On
+    the tested transformers lines the architecture must be listed in REFUSED_AT_FORWARD*, so that a
+    supported model refused by mistake fails here; on a newer line a clean refusal is what an
+    architecture pagedkv cannot serve must give."""
+    name = type(model).__name__
+    message = str(error)
+    assert isinstance(error, phf.UnsupportedModelError), f"{type(error).__name__}: {message}"
+    assert f"attn_implementation='pagedkv' cannot run {name} " in message, message
+    assert "attn_implementation='eager' or 'sdpa'" in message, message
+    newer = compat._version_tuple(transformers.__version__)[:2] > max(
+        compat._version_tuple(version)[:2] for version in phf.TESTED_VERSIONS)
+    assert newer or model_type in _refused_at_forward(), f"refused, but not listed in REFUSED_AT_FORWARD: {message}"
+    ids = torch.randint(3, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(phf.UnsupportedModelError, match=f"cannot run {name} "), torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    if _paged_cache_refused(model) or set(layer_types) - ATTENTION_LAYERS:  # PagedCache(model) refuses these
+        return
+    with pytest.raises(phf.UnsupportedModelError, match=f"cannot run {name} "):
+        generate(model, **paged_cache_argument(model, page_size=4))
 
 
 def _paged_cache_refused(model):

@@ -47,7 +47,8 @@ def test_errors_name_the_problem(saved_models):
     model.set_attn_implementation(phf.IMPLEMENTATION)
     query = torch.zeros(2, 4, 3, 16)
     key = torch.zeros(2, 2, 3, 16)
-    with pytest.raises(ValueError, match="attention_mask must be a 2-D"):
+    with pytest.raises(phf.UnsupportedModelError, match=r"cannot run LlamaAttention: .* is a 4-D tensor of shape "
+                       r"\(2, 1, 3, 3\), which pagedkv's mask function did not build"):
         phf.attention_forward(model.model.layers[0].self_attn, query, key, key, torch.zeros(2, 1, 3, 3))
     model.train()
     with pytest.raises(ValueError, match="dropout must be 0"):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,6 +61,33 @@ def test_tested_lines_import_quietly(version):
 
 @pytest.mark.parametrize("version", ["5.25.0", "6.0.0.dev0"])
 def test_a_newer_line_warns_naming_the_tested_versions(version):
-    tested = ", ".join(phf.TESTED_VERSIONS)
-    with pytest.warns(UserWarning, match=f"tested with transformers {tested}; installed {re.escape(version)}"):
+    tested = " and ".join(phf.TESTED_VERSIONS)  # two lines tested
+    with pytest.warns(UserWarning, match=f"tested with transformers {tested}; installed {re.escape(version)} is newer"):
         compat._warn_if_untested(version)
+
+
+def test_newer_line_warning_is_emitted_once_at_the_import():
+    """Importing pagedkv.hf under a newer transformers warns once per process (importing it again,
+    registering again: no new warning, even with every warning shown), at the line that imports it."""
+    script = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "import transformers\n"
+        "transformers.__version__ = '99.1.0'\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import pagedkv.hf\n"
+        "    import importlib; importlib.import_module('pagedkv.hf')\n"
+        "    pagedkv.hf.register()\n"
+        "for warning in caught:\n"
+        "    print(warning.filename, warning.lineno, warning.message)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONWARNINGS": "always"})
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "pagedkv.hf was tested" in line]
+    tested = " and ".join(phf.TESTED_VERSIONS)
+    assert lines == [f"<string> 7 pagedkv.hf was tested with transformers {tested}; installed 99.1.0 is newer. "
+                     "Models whose code pagedkv cannot serve are refused by name (pagedkv.hf.UnsupportedModelError "
+                     "or a ValueError at construction); any other failure with attn_implementation='pagedkv' is a "
+                     "pagedkv bug"], result.stdout

@@ -16,8 +16,9 @@ Four ways the attention implementation runs, told apart per call:
 3. **contiguous** (any other transformers cache, or none): the K/V tensors transformers hands over
    are read in place as pages (no copy) and attended with ``flash_attn_paged``.
 
-The attention mask is transformers' 2-D padding mask (the mask function registered with the
-implementation is the one flash attention uses), so rows may be padded on either side.
+The attention mask is a 2-D padding mask (as flash attention's, no [B, 1, q, kv] mask is built),
+so rows may be padded on either side; only pagedkv's attention function reads it, and model code
+that reads it as the 4-D eager mask is refused by name (``pagedkv.hf.mask``).
 Beam search and assisted decoding work on ``PagedCache``: rows share pages (reference counts,
 copy on write of a shared page before a row writes into it, a free list of released pages), and
 ``crop`` releases the pages past the rows' new ends.
@@ -29,7 +30,9 @@ copy on write of a shared page before a row writes into it, a free list of relea
    cache instead (no gather of the K/V into a packed copy per layer and step).
 
 Modules: ``compat`` (transformers versions, keywords), ``attention`` (the registered attention
-function), ``cache`` (``PagedCache``), ``generate`` (``generate_batch``). Importing ``pagedkv.hf``
+function), ``mask`` (the registered mask function and the refusal of models whose code reads the
+mask as the 4-D eager mask: ``UnsupportedModelError``), ``cache`` (``PagedCache``), ``generate``
+(``generate_batch``). Importing ``pagedkv.hf``
 checks the installed transformers and registers the implementation.
 """
 
@@ -43,6 +46,7 @@ from .compat import (
     check_transformers_version,
 )
 from .generate import TransformersPagedModel, generate_batch
+from .mask import UnsupportedModelError
 
 # Reached as pagedkv.hf.X by the tests, benchmarks and examples since hf was one module.
 from ..cache import PagedKVCacheCollection  # noqa: F401
@@ -56,6 +60,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "PagedCache",
     "TransformersPagedModel",
+    "UnsupportedModelError",
     "attention_forward",
     "check_transformers_version",
     "generate_batch",

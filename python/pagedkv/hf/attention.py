@@ -15,12 +15,12 @@ from .. import ops
 from .compat import (
     CAUSAL_FROM_MODULE,
     IMPLEMENTATION,
-    REFUSED_ARCHITECTURES,
     WINDOW_FROM_CONFIG,
     _refuse_unsupported_keywords,
     check_transformers_version,
-    refusal,
 )
+from .mask import PaddingMask, refuse_foreign_mask, refuse_keys_past_mask
+from .mask import attention_mask as padding_mask_function
 
 
 def register() -> None:
@@ -32,55 +32,7 @@ def register() -> None:
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     _accept_in_transformers_continuous_batching()
     _refuse_architectures_without_attention_interface()
-    AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
-
-
-# Not traced by torch.compile: the mask's width (the keys written) is read off a tensor, and a traced
-# read would specialise the compiled model on it, a recompile per decode step; left out of the
-# graph, the width reaches the compiled code as a tensor shape, which it takes as dynamic.
-@torch.compiler.disable
-def attention_mask(batch_size: int, kv_length: int, kv_offset: int = 0, attention_mask=None, q_length=None,
-                   q_offset=None, cache_position=None, **kwargs):
-    """The mask function registered for "pagedkv": None (every key of the call is a real token) or
-    bool [B, n] (True = real token) over the last n positions up to the last query, n <= kv_length.
-
-    As flash attention's mask function, no [B, 1, q, kv] mask is built: the padding mask is what
-    the ragged layout needs. It also says how many keys hold tokens: a cache that preallocates
-    (transformers' StaticCache, the cache torch.compile runs with) hands attention its whole buffer
-    of kv_length rows, of which only the first n are written (flash attention reads n off the
-    mask's width too). n comes from the query position (q_offset, or cache_position before 5.x),
-    so an all-real batch still gets a mask when n < kv_length.
-    """
-    filled = kv_length
-    if "allow_is_bidirectional_skip" not in kwargs:  # causal: queries are the last keys written
-        filled = _written_keys(kv_length, kv_offset, attention_mask, q_length, q_offset, cache_position)
-    if attention_mask is None:
-        if filled == kv_length:
-            return None
-        return torch.ones((batch_size, filled), dtype=torch.bool, device=cache_position.device
-                          if cache_position is not None else kwargs.get("device"))
-    attention_mask = attention_mask[:, -filled:].to(torch.bool)
-    if filled == kv_length and bool(attention_mask.all()):
-        return None
-    return attention_mask
-
-
-def _written_keys(kv_length, kv_offset, padding_mask, q_length, q_offset, cache_position) -> int:
-    """How many of the kv_length keys a causal call is given hold tokens (the rest: rows of a
-    preallocated cache not written yet). Keys start at position kv_offset and the last query is
-    the last key written."""
-    if q_offset is not None and q_length is not None:  # transformers 5.x
-        end = q_offset + q_length
-    elif padding_mask is not None:  # 4.57: the 2-D mask covers every position up to the last query
-        return min(kv_length, padding_mask.size(1))
-    elif cache_position is not None:  # 4.57 without a mask: read the last query's position
-        end = cache_position[-1] + 1
-    else:
-        return kv_length
-    # A StaticCache layer gives its position as a tensor (no graph break inside its update); this
-    # reads it once per mask.
-    end = int(end) if isinstance(end, torch.Tensor) else end
-    return max(1, min(kv_length, end - kv_offset))
+    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask_function)
 
 
 def _refuse_architectures_without_attention_interface() -> None:
@@ -88,9 +40,10 @@ def _refuse_architectures_without_attention_interface() -> None:
     architecture, for models whose class says it does not call attention through transformers'
     AttentionInterface (``_supports_attention_backend = False``: falcon, stablelm, bert, Mamba
     hybrids, ...; such a model either looks the name up in its own table, a bare KeyError:
-    'pagedkv', or silently runs another attention) and for those listed in
-    ``compat.REFUSED_ARCHITECTURES`` (model code that reads the 4-D eager mask, ...). Other
-    implementations go through unchanged."""
+    'pagedkv', or silently runs another attention). Other implementations go through unchanged.
+    Models that do call the attention interface but cannot be served (their code reads the
+    attention mask as the 4-D eager mask) are refused by what they do, at their first forward
+    (``pagedkv.hf.mask``)."""
     from transformers import PreTrainedModel
 
     check = PreTrainedModel.get_correct_attn_implementation
@@ -99,7 +52,7 @@ def _refuse_architectures_without_attention_interface() -> None:
 
     def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
         if requested_attention == IMPLEMENTATION:
-            message = refused_architecture_message(type(self), getattr(self, "config", None))
+            message = refused_architecture_message(type(self))
             if message is not None:
                 raise ValueError(message)
         return check(self, requested_attention, *args, **kwargs)
@@ -108,19 +61,12 @@ def _refuse_architectures_without_attention_interface() -> None:
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
-def refused_architecture_message(model_class, config=None) -> str | None:
-    """Why attn_implementation="pagedkv" cannot run model_class (with config, if given), or None."""
+def refused_architecture_message(model_class) -> str | None:
+    """Why attn_implementation="pagedkv" cannot run model_class, known when it is built, or None:
+    the class says it does not call the attention interface."""
     if not model_class._supports_attention_backend:
         return unsupported_architecture_message(model_class)
-    model_type = getattr(config, "model_type", None) or getattr(
-        getattr(model_class, "config_class", None), "model_type", None)
-    reason = refusal(REFUSED_ARCHITECTURES, model_type)
-    if reason is None:
-        return None
-    return (
-        f"attn_implementation='{IMPLEMENTATION}' cannot run {model_class.__name__} (model_type '{model_type}'): "
-        f"{reason}, which pagedkv's 2-D padding mask is not; load it with attn_implementation='eager' or 'sdpa'"
-    )
+    return None
 
 
 def unsupported_architecture_message(model_class) -> str:
@@ -258,7 +204,7 @@ def attention_forward(
     query: torch.Tensor,  # [B, Hq, Sq, D]
     key: torch.Tensor,  # [B, Hk, Sk, D]
     value: torch.Tensor,  # [B, Hk, Sk, Dv]
-    attention_mask: torch.Tensor | None,  # None or bool [B, >= Sk]
+    attention_mask: PaddingMask | torch.Tensor | None,  # the mask function's, or None or bool [B, >= Sk]
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = _NOT_PASSED,
@@ -269,7 +215,18 @@ def attention_forward(
     """transformers attention interface: returns ([B, Sq, Hq, Dv], None). Queries at padding
     positions get zeros (transformers never reads them). A keyword that would change the result
     and is not implemented (attention sinks, head masks, position biases, sparse indices, ...)
-    raises NotImplementedError naming it; see ``_refuse_unsupported_keywords``."""
+    raises NotImplementedError naming it; see ``_refuse_unsupported_keywords``. A mask that the
+    "pagedkv" mask function did not build (a model's own 4-D eager mask) raises
+    UnsupportedModelError naming the model (see ``pagedkv.hf.mask``)."""
+    # The K/V a PagedCache layer's update just handed over (taken first, so a refused call leaves
+    # nothing pending for the next one).
+    step = getattr(_pending, "step", None)
+    _pending.step = None
+    # The keys this call attends: the given ones, after those a PagedCache layer holds already.
+    keys = key.size(2)
+    if step is not None and step[0] is key and step[2] is value:
+        keys += step[1].seen
+    attention_mask, written = _mask_of_call(attention_mask, keys, module)
     sinks = _pop_sinks(kwargs, query.size(1))
     if sliding_window is _NOT_PASSED:
         sliding_window = _window_not_passed(module)
@@ -277,9 +234,7 @@ def attention_forward(
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, dropout)
     if sinks is not None:
         options["sinks"] = sinks
-    step = getattr(_pending, "step", None)
     if step is not None:
-        _pending.step = None
         key_cached, layer, value_cached = step
         if key_cached is key and value_cached is value:
             if attention_mask is None and layer.owner.ragged is None:  # ragged steps restart positions per row
@@ -293,7 +248,7 @@ def attention_forward(
         return _attend_varlen(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], options), None
     if attention_mask is None:
         _refuse_packed_position_ids(kwargs.get("position_ids"), query.size(0))
-    key, value = _written_keys_only(key, value, attention_mask)
+    key, value = _written_keys_only(key, value, written)
     return _attend_contiguous(query, key, value, attention_mask, options), None
 
 
@@ -308,14 +263,27 @@ def _window_not_passed(module):
     return window
 
 
-def _written_keys_only(key, value, attention_mask):
+def _mask_of_call(attention_mask, keys: int, module):
+    """(the padding mask as bool [B, n] or None, the keys written n or None) of an attention call's
+    mask: a PaddingMask of the "pagedkv" mask function, None, or a 2-D tensor (a caller's own
+    padding mask). Any other mask, and more keys than a PaddingMask was built for, are refused
+    (pagedkv.hf.mask)."""
+    if isinstance(attention_mask, PaddingMask):
+        if keys > attention_mask.keys:
+            refuse_keys_past_mask(attention_mask, keys, module)
+        return attention_mask.keep, attention_mask.width
+    if attention_mask is None:
+        return None, None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return attention_mask, attention_mask.size(1)
+    refuse_foreign_mask(attention_mask, module)
+
+
+def _written_keys_only(key, value, written):
     """K/V of a cache that preallocates (StaticCache: [B, Hk, max_cache_len, D], tokens written
     from row 0 on) cut to the rows written so far, which the mask's width gives (see
-    ``attention_mask``). Any other K/V are returned as they are."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return key, value
-    written = attention_mask.size(1)
-    if written >= key.size(2):
+    ``mask.attention_mask``; None: every key). Any other K/V are returned as they are."""
+    if written is None or written >= key.size(2):
         return key, value
     return key[:, :, :written], value[:, :, :written]
 

@@ -103,23 +103,11 @@ WINDOW_FROM_CONFIG = frozenset({
 # module decides: causal unless it is a cross-attention layer.
 CAUSAL_FROM_MODULE = frozenset({"GPT2Attention", "DecisionTransformerGPT2Attention"})
 
-# Architectures whose class calls attention through the AttentionInterface but which pagedkv
-# cannot serve: model_type -> (why, transformers major versions where it applies, or None for
-# every line). Building one with attn_implementation="pagedkv" (or switching to it) raises a
-# ValueError naming pagedkv and the class (see attention._refuse_unsupported_architectures).
-_MASK_4D = "its model code reads the attention mask as the 4-D [batch, 1, q, kv] eager mask"
-REFUSED_ARCHITECTURES = {
-    "deepseek_v32": (_MASK_4D + " (its sparse-attention indexer)", None),
-    "glm_moe_dsa": (_MASK_4D + " (its sparse-attention indexer)", None),
-    "axk2": (_MASK_4D + " (its sparse-attention indexer)", None),
-    "hy_v4": (_MASK_4D + " (its sparse-attention indexer)", None),
-    "deepseek_v4": (_MASK_4D + " (its compressed keys)", None),
-    "dory": (_MASK_4D, None),
-    "doge": (_MASK_4D + " (its dynamic mask)", None),
-    "opt": ("it builds its own 4-D attention mask instead of calling the registered mask function", (4,)),
-    "persimmon": ("it builds its own 4-D attention mask instead of calling the registered mask function", (4,)),
-    "fuyu": ("its language model (Persimmon) builds its own 4-D attention mask", (4,)),
-}
+# Architectures pagedkv cannot serve are not listed: a class that does not call the attention
+# interface says so (_supports_attention_backend = False) and is refused when built, and model
+# code that reads the attention mask as the 4-D eager mask (sparse-attention indexers, dynamic
+# masks, a model's own 4-D mask, keys added after the cache) is refused by what it does at its
+# first forward (pagedkv.hf.mask).
 
 # Architectures whose layers a PagedCache cannot hold: model_type (of the config or its text
 # config) -> (why, transformers major versions or None). PagedCache(model) raises a ValueError
@@ -167,9 +155,16 @@ def _refuse_unsupported_keywords(kwargs: dict) -> None:
 
 
 def _warn_if_untested(version: str) -> None:
+    """Warns (once: pagedkv.hf calls it when imported) when the installed transformers line is newer
+    than every tested one, naming the tested versions. stacklevel 3 points at the import of pagedkv.hf
+    (warnings skips the import machinery's frames)."""
     newest = max(_version_tuple(v) for v in TESTED_VERSIONS)
     if _version_tuple(version)[:2] > newest[:2]:
+        tested = " and ".join([", ".join(TESTED_VERSIONS[:-1]), TESTED_VERSIONS[-1]] if len(TESTED_VERSIONS) > 1
+                              else TESTED_VERSIONS)
         warnings.warn(
-            f"pagedkv.hf was tested with transformers {', '.join(TESTED_VERSIONS)}; installed {version}",
+            f"pagedkv.hf was tested with transformers {tested}; installed {version} is newer. Models whose code "
+            "pagedkv cannot serve are refused by name (pagedkv.hf.UnsupportedModelError or a ValueError at "
+            "construction); any other failure with attn_implementation='pagedkv' is a pagedkv bug",
             stacklevel=3,
         )
