@@ -15,8 +15,9 @@ Requests arrive at different steps of a server loop. Every step:
 
 A step either completes or leaves every request where it was: when the forward pass (or a
 reservation for an admitted request) raises, the requests admitted in that step release their
-pages and go back to the front of the waiting queue, no running request has advanced, and the
-exception propagates with a note naming the step's rows. Requests preempted in that step stay
+pages and go back to the front of the waiting queue, no running request has advanced (each keeps
+the room reserved for its next token, which the next step uses), and the exception propagates with
+a note naming the step's rows. Requests preempted in that step stay
 preempted (their pages were released before the forward; they are recomputed when readmitted).
 
 ``abort(request_id)`` stops a request between steps, wherever it is (not yet arrived, waiting,

@@ -578,6 +578,7 @@ def _cpu() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    commit = _commit()  # now: the code that runs is the code of this commit (HEAD may move during the run)
     torch.set_num_threads(args.threads)
     settings = settings_for(args)
     if args.model == "tiny":
@@ -596,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "command": "python -m pagedkv.demo.soak " + " ".join(sys.argv[1:] if argv is None else argv),
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "commit": _commit(),
+        "commit": commit,
         "cpu": _cpu(),
         "torch": torch.__version__,
         "threads": args.threads,
