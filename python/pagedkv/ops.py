@@ -201,9 +201,10 @@ def flash_attn_paged_lse(
     sees (the sink term included); -inf where a row sees no key and has no sink, and on padding rows.
     Two results over disjoint key sets combine exactly with `merge_attn_states`.
     """
-    _check_scalars("flash_attn_paged_lse", causal, scale=scale, quant_group=quant_group, window_left=window_left,
+    # named as the core names this op's errors
+    _check_scalars("flash_attn_paged", causal, scale=scale, quant_group=quant_group, window_left=window_left,
                    softcap=softcap)
-    kv_format_row(kv_format, "flash_attn_paged_lse")
+    kv_format_row(kv_format, "flash_attn_paged")
     return _ops.flash_attn_paged_lse(q, input_row_offsets, k_cache, v_cache, cache_lengths, lookup_table, scale,
                                      causal, k_scales, v_scales, quant_group, window_left, softcap, sinks, kv_format)
 
