@@ -20,10 +20,8 @@
  *    range (the C tests and the fuzz harness).
  * A thread takes its next item one tile early (pkv_item_queue): the kernel
  * prefetches that item's first tile during the current item's last, which the
- * demand reads of every item's first tile left undone. Issue 26, Zen 4 EPYC,
- * 2 threads, in one process (41 interleaved rounds): e4m3 decode 8.3% (B=4
- * L=16384, 64 split items of 1024 keys) and 5.7% (B=16 L=4096) faster, bf16
- * 2.6% and 4.0%. */
+ * demand reads of every item's first tile left undone
+ * (measured: benchmarks/README.md, "Measurements behind the CPU kernels"). */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -365,10 +363,8 @@ float pkv_attn_cpu_finish_row(const pkv_attn_args *a, int64_t row, int64_t head,
 
 /* Log-sum-exp merge of a split group's partials into out; row: dv floats of scratch. Per output row the
  * partial rows are summed in split order into `row` (contiguous loops the compiler vectorizes) and
- * converted by the kernels' store_vec. Per element, with a strided inner loop over the splits and a
- * scalar store, it took 13% of a warm decode (B=2 L=1024; Zen 4, 2 threads, the merge skipped vs done
- * in one process), this way 7%: 5% faster warm, ~1% at B=4 L=16384 in DRAM, where what is left of its
- * 3% is reading the partials (16 splits x 32 rows x 130 floats per group there). */
+ * converted by the kernels' store_vec (not per element with a strided inner loop over the splits and
+ * a scalar store, which cost about twice as much (measured: benchmarks/README.md, "Measurements behind the CPU kernels")). */
 static void merge_splits(const pkv_attn_args *a, const pkv_attn_item *it, const split_state *st,
                          const pkv_cpu_kernels *k, float *row) {
   pkv_rows_view out = pkv_rows_view_from(&a->out);

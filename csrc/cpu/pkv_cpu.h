@@ -22,7 +22,7 @@ extern "C" {
 /* Keys per tile where decode reads the rows in place (direct and dot decode): the tile ahead,
  * prefetched while this one is computed, is 32 keys of all the item's heads (128 KiB of bf16 K/V
  * at 8 heads of 128), not 64. A multiple of 32 (the softmax takes two 16-lane vectors at a time)
- * dividing KEYS_PER_TILE. Measured in benchmarks/README.md (issue 26). */
+ * dividing KEYS_PER_TILE (tile sizes tried: benchmarks/README.md, "Tried and not kept"). */
 #define PKV_CPU_DECODE_KEYS 32
 /* Row-pointer slots per work item: the tile in use and the tiles ahead that
  * are being prefetched (tile_rows.inc, attn_common.inc's tile walk). */
