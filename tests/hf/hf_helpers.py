@@ -29,6 +29,7 @@ except RuntimeError as unsupported:  # a transformers without the hooks: pagedkv
 
 from pagedkv import gguf_model  # noqa: E402
 from pagedkv.hf import compat  # noqa: E402
+from pagedkv.hf.mask import PaddingMask  # noqa: E402
 from pagedkv import reference as ref  # noqa: E402
 
 HAS_GGUF_LOADER = all(importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate"))
@@ -104,6 +105,14 @@ def paged_cache_argument(model, **options):
 FP8_LAYER_RTOL = 1e-5
 
 
+def _padding_tensor(attention_mask):
+    """The bool [B, n] padding mask of a "pagedkv" attention call (its mask function's PaddingMask
+    carries it; None: every key is a real token), cloned."""
+    if isinstance(attention_mask, PaddingMask):
+        attention_mask = attention_mask.keep
+    return None if attention_mask is None else attention_mask.clone()
+
+
 class AttentionRecorder:
     """Wraps the registered "pagedkv" attention while active: records every call's layer, inputs
     (cloned) and output, so each layer can be replayed through pagedkv.reference afterwards."""
@@ -118,7 +127,7 @@ class AttentionRecorder:
             out, weights = phf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
             self.calls.append({
                 "layer": module.layer_idx, "query": query.clone(), "key": key.clone(), "value": value.clone(),
-                "mask": None if attention_mask is None else attention_mask.clone(), "out": out.clone(),
+                "mask": _padding_tensor(attention_mask), "out": out.clone(),
                 "scaling": kwargs.get("scaling"), "sliding_window": kwargs.get("sliding_window"),
                 "softcap": kwargs.get("softcap"),
             })
