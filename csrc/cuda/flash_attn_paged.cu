@@ -278,13 +278,13 @@ cudaError_t pkv_cuda_attn(const pkv_attn_args *a, const pkv_cuda_attn_plan *plan
   const int64_t d = p.k.head_dim;
   const bool fp8 = pkv_dtype_is_fp8(a->k_cache.dtype);
   // 128-row query tiles, 32 rows per warp in two m-blocks, for prefill-like calls (decode rows keep the
-  // 64-row tiles and their key split) on 16-bit caches with D <= 128: 1.18x faster than 64-row tiles (B=8
-  // L=4096 causal, H200, 2026-11-28); the warpgroup kernels take 64-row tiles
+  // 64-row tiles and their key split) on 16-bit caches with D <= 128, faster there than 64-row tiles
+  // (measured: benchmarks/README.md, "Measurements behind the CUDA kernels"); the warpgroup kernels take 64-row tiles
   const bool rows32 =
       !plan->wgmma && !fp8 && d <= 128 && fills_query_tiles(p.num_rows, p.heads_per_kv, batch, kAttnRowsM32);
   const int64_t rows_m = rows32 ? kAttnRowsM32 : kAttnRowsM;
-  // (16-row query tiles for decode, three CTAs per SM, were 1.08-1.20x slower than these 64-row
-  // ones with the key split on an H200, 2026-11-27: removed)
+  // (16-row query tiles for decode, three CTAs per SM, were slower than these 64-row ones with the key
+  // split: benchmarks/README.md, "Tried and not kept")
   const int64_t tiles_upper = (p.num_rows * p.heads_per_kv + rows_m - 1) / rows_m + batch;
   if (tiles_upper > 0x7fffffff || p.k.num_heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(tiles_upper), static_cast<unsigned>(p.k.num_heads),

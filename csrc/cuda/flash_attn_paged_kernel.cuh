@@ -222,7 +222,7 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
   // FP8 tile, two codes per 16-bit load and one hardware cvt per pair, exact and unscaled, and multiplies
   // each key's scores by that key's scale afterwards; only V is converted, and only the warp's own quarter
   // of the tile's rows (the keys it reads), so the block barrier (B) before the math is a warp barrier.
-  // 1.11x faster decode than converting K too (H200, 2026-11-28, B=32 L=8192 page 16).
+  // Faster decode than converting K too (measured: benchmarks/README.md, "Measurements behind the CUDA kernels").
   const bool k_fragments = kFp8 && key_split && scale_ahead;
   constexpr int kOwnRows = kKeySplitFits ? BN / kWarps : BN;
   const int own_row0 = warp * kOwnRows;
@@ -571,11 +571,10 @@ __device__ __forceinline__ void attn_body(const AttnParams &p, const CUtensorMap
 }
 
 // The explicit minimum of one CTA per SM matters: without it ptxas held the bf16 D 128 kernel to 172
-// registers instead of 201 (two CTAs per SM either way, by shared memory), and page-16 decode ran
-// 1.09x and prefill 1.12x slower on an H200 (gpu_ab.sh, one call, 2026-11-27). The D 64 kernels with
-// 64-row tiles are the exception: shared memory lets three (FP8) to five (16-bit) CTAs share an SM and 168
-// registers let three, which ptxas met unasked (16-bit 167, FP8 cp.async 168) until the changes of
-// 2026-11-28 took them to 169-173.
+// registers instead of 201 (two CTAs per SM either way, by shared memory), and decode and prefill ran
+// slower (measured: benchmarks/README.md, "Measurements behind the CUDA kernels"). The D 64 kernels with 64-row tiles are the exception: shared memory
+// lets three (FP8) to five (16-bit) CTAs share an SM, and 168 registers would let three (ptxas -v gives
+// each kernel's count; 169-173 at the last count).
 // The warpgroup kernels ask for two CTAs per SM (shared memory allows two at D 128): one CTA's softmax
 // runs while the other's MMAs do.
 constexpr int attn_min_ctas(int d, int bm, bool wgmma) {

@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kLoadThreads) load_kernel(const __grid_constan
   const int64_t heads = p.cache.num_heads, d = p.cache.head_dim;
   if constexpr (kVec) {
     // a warp per output row: the row's slot is found once, then its lanes walk (head, 8-element
-    // group) pairs, all heads' loads in flight together (2.5-3.1x faster than a warp per (row, head)
-    // on an H200: bf16 and e4m3, 131072 tokens, 2026-11-27)
+    // group) pairs, all heads' loads in flight together (faster than a warp per (row, head)
+    // (measured: benchmarks/README.md, "Measurements behind the CUDA kernels"))
     const int64_t per_head = d / 8;
     for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); row < p.out.num_rows;
          row += static_cast<int64_t>(gridDim.x) * warps) {

@@ -160,9 +160,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_kernel(const __grid_const
   constexpr bool kFp8 = kDst == PKV_DTYPE_FP8_E4M3 || kDst == PKV_DTYPE_FP8_E5M2;
   if constexpr (kVec && !kFp8) {
     // a warp per (job, row): the row's slot is found once, then the lanes walk (head, 8-element
-    // group) pairs, all heads' loads in flight together (2.7x faster than a warp per (row, head) on an
-    // H200: bf16, 131072 tokens, 2026-11-27). FP8 keeps a warp per (row, head): its lanes share the
-    // head's absolute maximum.
+    // group) pairs, all heads' loads in flight together (faster than a warp per (row, head)
+    // (measured: benchmarks/README.md, "Measurements behind the CUDA kernels")). FP8 keeps a warp per (row, head): its lanes share the head's absolute maximum.
     const int lane = threadIdx.x & 31;
     const int64_t units = p.num_rows * p.num_jobs;
     for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kStoreThreads / kWarp) + warp; u < units;
