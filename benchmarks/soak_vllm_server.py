@@ -618,10 +618,11 @@ def write_results(args, workload, results, started, name) -> str:
         lines.append(f"Solo answers equal between the backends: {same} of {len(a['solo_answers'])} prompts.")
         cpu_a, cpu_b = a["engine_cpu_ms_per_output_token"], b["engine_cpu_ms_per_output_token"]
         if a["requests_per_s"] and b["requests_per_s"] and cpu_a and cpu_b:
-            lines.append(f"{a['backend']} / {b['backend']}: {a['requests_per_s'] / b['requests_per_s']:.2f}x the "
-                         f"completed requests/s; TTFT p50 {b['ttft_s']['p50'] / a['ttft_s']['p50']:.2f}x shorter, "
-                         f"TPOT p50 {b['tpot_s']['p50'] / a['tpot_s']['p50']:.2f}x shorter; engine CPU time per "
-                         f"output token {cpu_b / cpu_a:.2f}x less.")
+            lines.append(f"{a['backend']} against {b['backend']}: {a['requests_per_s'] / b['requests_per_s']:.2f}x "
+                         f"the completed requests/s; {a['backend']}'s time over {b['backend']}'s: TTFT p50 "
+                         f"{a['ttft_s']['p50'] / b['ttft_s']['p50']:.2f}x, TPOT p50 "
+                         f"{a['tpot_s']['p50'] / b['tpot_s']['p50']:.2f}x, engine CPU per output token "
+                         f"{cpu_a / cpu_b:.2f}x.")
     for r in results:
         found = problems(r)
         lines.append(f"{r['backend']}: {'passed every check' if not found else 'FAILED: ' + '; '.join(found)}; "
