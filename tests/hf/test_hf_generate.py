@@ -86,6 +86,20 @@ def test_reset_cache_serves_a_new_batch_with_other_padding(saved_models):
         cache.reset()
 
 
+def test_paged_cache_is_a_class_users_can_name():
+    """PagedCache is a class of its own (a subclass of transformers' Cache), not a factory returning an
+    instance of a class made inside it: isinstance works, and the class is the one pagedkv.hf exports."""
+    config = small_config("llama")
+    config._attn_implementation = "pagedkv"
+    cache = phf.PagedCache(config, page_size=4)
+    assert isinstance(cache, phf.PagedCache) and type(cache) is phf.PagedCache
+    assert isinstance(cache, transformers.cache_utils.Cache)
+    assert phf.PagedCache.__name__ == "PagedCache" and phf.PagedCache.__module__ == "pagedkv.hf.cache"
+    assert len(cache.layers) == config.num_hidden_layers and cache.get_seq_length() == 0
+    with pytest.raises(TypeError):
+        phf.PagedCache(config, 4)  # the options are keyword-only
+
+
 # ---- logits bounds ------------------------------------------------------------------------------
 
 
