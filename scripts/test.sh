@@ -61,6 +61,7 @@ summary() {
   local rc=$? width=5 i name
   # a background download still running when the run ends (a failed stage) goes with it
   [ -z "${newest_prepare_pid:-}" ] || kill "$newest_prepare_pid" 2>/dev/null || true
+  [ -z "${vllm_prepare_pid:-}" ] || kill "$vllm_prepare_pid" 2>/dev/null || true
   if [ "$rc" -eq 0 ]; then end_stage passed; else end_stage "FAILED (exit $rc)"; fi
   for name in ${stage_names[@]+"${stage_names[@]}"}; do [ ${#name} -le "$width" ] || width=${#name}; done
   printf '\n==> summary\n'
@@ -90,6 +91,14 @@ fi
 
 stage "install and build" "scripts/install.sh test"
 bash scripts/install.sh test
+
+# The vLLM venv (vLLM pins the main environment's torch, now installed) downloads in the background too;
+# the vLLM stage waits for it.
+vllm_prepare_pid=""
+if [ "$quick" = 0 ]; then
+  bash scripts/test_vllm.sh --prepare >.deps/vllm-prepare.log 2>&1 &
+  vllm_prepare_pid=$!
+fi
 
 if [ "$quick" = 0 ]; then
   stage "C tests" "C core tests under AddressSanitizer + UndefinedBehaviorSanitizer"
@@ -159,4 +168,8 @@ else
   skip_stage "CUDA build check" "PAGEDKV_SKIP_CUDA_BUILD=1"
 fi
 stage "vLLM" "vLLM backend (scripts/test_vllm.sh)"
+# (the background venv's log first; the stage makes the venv itself if that failed)
+wait "$vllm_prepare_pid" || printf 'the background vLLM venv failed; scripts/test_vllm.sh retries it\n'
+vllm_prepare_pid=""
+grep -v "^WARNING: Location" .deps/vllm-prepare.log || true
 bash scripts/test_vllm.sh

