@@ -81,12 +81,12 @@ trap summary EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# The newest-torch stage's venv (several GB from PyPI) downloads in the background while the stages
-# before it run; the stage waits for it.
+# The newest-torch stage's venv (several GB from PyPI) downloads, and its wheel builds, in the background
+# at the lowest priority while the stages before it run; the stage waits for it.
 newest_prepare_pid=""
 if [ "$quick" = 0 ]; then
   mkdir -p .deps
-  bash scripts/test_newest.sh --prepare >.deps/newest-prepare.log 2>&1 &
+  nice -n 19 bash scripts/test_newest.sh --prepare >.deps/newest-prepare.log 2>&1 &
   newest_prepare_pid=$!
 fi
 

@@ -10,8 +10,9 @@
 #   bash scripts/test_newest.sh             CI's subset: the build, `python -m pagedkv`, tests/ops -x on the
 #                                           CPU kernel path this machine picks, the tests/hf architecture sweep
 #   bash scripts/test_newest.sh --full      the build, then the whole Python suite (tests/) in that venv
-#   bash scripts/test_newest.sh --prepare   only create or refresh the venv (scripts/test.sh starts this in
-#                                           the background at its start, so the download overlaps other stages)
+#   bash scripts/test_newest.sh --prepare   only create or refresh the venv and build the wheel (scripts/test.sh
+#                                           starts this in the background at its start, at the lowest priority,
+#                                           so the download and the build overlap other stages)
 #
 # Environment: PYTHON (default python3) makes the venv; PAGEDKV_NEWEST_TORCH / PAGEDKV_NEWEST_TRANSFORMERS
 # replace the requirements "torch" / "transformers" (e.g. "torch==2.15.0" to repeat a run).
@@ -24,7 +25,7 @@ case "${1:-}" in
   "") ;;
   --full) mode=full ;;
   --prepare) mode=prepare ;;
-  -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) printf 'scripts/test_newest.sh: unknown argument %s (use --full, --prepare or nothing)\n' "$1" >&2; exit 2 ;;
 esac
 
@@ -56,8 +57,42 @@ prepare() {
 print('newest venv: torch', torch.__version__, '(CUDA', str(torch.version.cuda) + ')', 'transformers', transformers.__version__)"
 }
 
+# The CPU extension built as a wheel against the venv's torch, from a copy of the checkout's files
+# (tracked, and untracked ones git does not ignore): the build writes its objects and build record there,
+# not into this checkout's build/ and python/pagedkv/. Kept in .deps/newest-wheel/ with a stamp of the
+# torch and of every source file's content, so a wheel built by --prepare is used only for the same tree.
+wheel_dir=.deps/newest-wheel
+build_wheel() {
+  local torch_version stamp work
+  torch_version=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
+  stamp="torch $torch_version, sources $(git ls-files -z --cached --others --exclude-standard |
+    xargs -0 sha1sum | sha1sum | cut -c1-16)"
+  if [ -f "$wheel_dir/stamp" ] && [ "$(cat "$wheel_dir/stamp")" = "$stamp" ] && ls "$wheel_dir"/pagedkv-*.whl >/dev/null 2>&1; then
+    step "the wheel of $wheel_dir is this tree's ($stamp)"
+    return 0
+  fi
+  work=$(mktemp -d "${TMPDIR:-/tmp}/pagedkv-newest-build.XXXXXX")
+  mkdir "$work/src"
+  git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
+  step "building the CPU extension against torch $torch_version (PAGEDKV_BUILD=cpu)"
+  if ! (cd "$work/src" && PAGEDKV_BUILD=cpu MAX_JOBS="${MAX_JOBS:-2}" "$ROOT/$venv/bin/python" -m pip wheel -q \
+    --no-build-isolation --no-deps -w "$work/dist" . >"$work/build.log" 2>&1); then
+    grep -v "^WARNING: Location" "$work/build.log" | tail -40
+    echo "FAILED: pagedkv did not build against torch $torch_version (log above)"
+    rm -rf "$work"
+    return 1
+  fi
+  rm -rf "$wheel_dir"
+  mkdir -p "$wheel_dir"
+  cp "$work"/dist/pagedkv-*.whl "$wheel_dir/"
+  printf '%s' "$stamp" >"$wheel_dir/stamp"
+  rm -rf "$work"
+  step "built $(basename "$wheel_dir"/pagedkv-*.whl)"
+}
+
 if [ "$mode" = prepare ]; then
   prepare
+  build_wheel
   exit 0
 fi
 if ! "$venv/bin/python" -c "import torch, transformers, pytest" 2>/dev/null; then
@@ -66,23 +101,12 @@ fi
 read -r torch_version transformers_version < <("$venv/bin/python" -c "import torch, transformers
 print(torch.__version__, transformers.__version__)")
 step "torch $torch_version, transformers $transformers_version"
+build_wheel
+newest_pip install -q --no-deps --force-reinstall "$wheel_dir"/pagedkv-*.whl
+step "installed $(basename "$wheel_dir"/pagedkv-*.whl)"
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/pagedkv-newest.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-# a copy of the checkout's files (tracked, and untracked ones git does not ignore): the build writes its
-# objects and build record there, not into this checkout's build/ and python/pagedkv/
-mkdir "$WORK/src"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$WORK/src"
-step "building the CPU extension against torch $torch_version (PAGEDKV_BUILD=cpu)"
-if ! (cd "$WORK/src" && PAGEDKV_BUILD=cpu MAX_JOBS="${MAX_JOBS:-2}" "$ROOT/$venv/bin/python" -m pip wheel -q \
-  --no-build-isolation --no-deps -w "$WORK/dist" . >"$WORK/build.log" 2>&1); then
-  grep -v "^WARNING: Location" "$WORK/build.log" | tail -40
-  echo "FAILED: pagedkv did not build against torch $torch_version (log above)"
-  exit 1
-fi
-newest_pip install -q --no-deps --force-reinstall "$WORK"/dist/pagedkv-*.whl
-step "installed $(basename "$WORK"/dist/pagedkv-*.whl)"
-
 # from a folder outside both trees: the installed wheel is the pagedkv that loads
 (cd "$WORK" && "$ROOT/$venv/bin/python" -m pagedkv)
 
