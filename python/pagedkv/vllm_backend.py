@@ -75,9 +75,9 @@ class PagedKVAttentionBackend(AttentionBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # Token-major pages first: a token's heads sit side by side, so the CPU kernels prefetch one span
         # per key for all of an item's heads. Head-major pages (vLLM's CPU layout, block_size * (D + Dv)
-        # elements between a token's heads) give the same results; the bf16 dot decode prefetches a head's
-        # page block there as one span (0.89-1.06x the token-major time, SmolLM2 shapes, B=16 L=8192, 1-2
-        # threads, Zen 4), the other CPU paths one row per head (float32 ~1.08x).
+        # elements between a token's heads) give the same results and about the same speed: the bf16 dot
+        # decode prefetches a head's page block there as one span, the other CPU paths one row per head
+        # (measured: benchmarks/README.md, "Measurements behind the CPU kernels").
         return (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, KVCacheLayout.LBHNC)
 
     @classmethod
