@@ -148,13 +148,13 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
-    async def wait_ready(self, session: aiohttp.ClientSession) -> None:
+    async def wait_ready(self, http: aiohttp.ClientSession) -> None:
         deadline = time.monotonic() + SERVER_START_SECONDS
         while True:
             if self.process.poll() is not None:
                 raise SystemExit(f"the server exited ({self.process.returncode}):\n{self.log_text()[-6000:]}")
             try:
-                async with session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
+                async with http.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
                     if response.status == 200:
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -216,9 +216,9 @@ class Server:
         self.log.close()
 
 
-async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """vLLM's Prometheus metrics that the checks read, each summed over its labels."""
-    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as response:
+    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as response:
         text = await response.text()
     wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
               "vllm:num_preemptions_total", "vllm:request_success_total", "vllm:prefix_cache_hits_total",
@@ -254,7 +254,7 @@ class Progress:
         self.tokens = 0
 
 
-async def stream_completion(session, url: str, workload: Workload, request: Request, progress: Progress,
+async def stream_completion(http, url: str, workload: Workload, request: Request, progress: Progress,
                             logprobs: int) -> Outcome:
     """One streaming completion; drops the connection after request.disconnect_after tokens when set."""
     outcome = Outcome(request)
@@ -264,7 +264,7 @@ async def stream_completion(session, url: str, workload: Workload, request: Requ
     outcome.sent = time.monotonic()
     progress.in_flight += 1
     try:
-        async with session.post(url + "/v1/completions", json=body,
+        async with http.post(url + "/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=DEADLINE_SECONDS)) as response:
             if response.status != 200:
                 outcome.status = "http_error"
@@ -327,14 +327,14 @@ async def run_backend(args, backend: str, workload: Workload, log_path: str) -> 
     server = Server(args, backend, log_path)
     print(f"\n== {backend}: starting the server (log {log_path})", flush=True)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector) as http:
         sampler = None
         try:
             started = time.monotonic()
-            await server.wait_ready(session)
+            await server.wait_ready(http)
             print(f"{backend}: server up after {time.monotonic() - started:.0f} s", flush=True)
             sampler = asyncio.create_task(server.sample_rss())
-            result = await drive(args, backend, workload, server, session)
+            result = await drive(args, backend, workload, server, http)
             # the checks cover the server's life up to here: stopping it logs the engine core's end as errors
             log = server.log_text()
         finally:
@@ -347,20 +347,20 @@ async def run_backend(args, backend: str, workload: Workload, log_path: str) -> 
     return result
 
 
-async def drive(args, backend: str, workload: Workload, server: Server, session) -> dict:
+async def drive(args, backend: str, workload: Workload, server: Server, http) -> dict:
     progress = Progress()
     # 1. solo answers, one request at a time
     solo_started = time.monotonic()
     reference = {}
     for prompt in sorted({r.prompt for r in workload.requests}):
-        outcome = await stream_completion(session, server.url, workload, Request(-1, prompt, None), progress,
+        outcome = await stream_completion(http, server.url, workload, Request(-1, prompt, None), progress,
                                           args.logprobs)
         if outcome.status != "completed":
             raise SystemExit(f"{backend}: solo request for prompt {prompt} failed: {outcome.status} {outcome.detail}")
         reference[prompt] = outcome
     solo_seconds = time.monotonic() - solo_started
     print(f"{backend}: {len(reference)} solo answers in {solo_seconds:.0f} s", flush=True)
-    before = await metrics(session, server.url)
+    before = await metrics(http, server.url)
 
     # 2. load
     outcomes: list[Outcome] = []
@@ -374,7 +374,7 @@ async def drive(args, backend: str, workload: Workload, server: Server, session)
             request = next(queue, None)
             if request is None:
                 return
-            outcomes.append(await stream_completion(session, server.url, workload, request, progress, args.logprobs))
+            outcomes.append(await stream_completion(http, server.url, workload, request, progress, args.logprobs))
 
     async def watchdog():
         next_line = load_started + PROGRESS_INTERVAL_SECONDS
@@ -388,7 +388,7 @@ async def drive(args, backend: str, workload: Workload, server: Server, session)
                 return
             if now >= next_line:
                 next_line += PROGRESS_INTERVAL_SECONDS
-                state = await metrics(session, server.url)
+                state = await metrics(http, server.url)
                 rss = server.rss_samples[-1] if server.rss_samples else (0, 0, 0)
                 done = sum(o.status == "completed" for o in outcomes)
                 dropped = sum(o.status == "disconnected" for o in outcomes)
@@ -414,15 +414,15 @@ async def drive(args, backend: str, workload: Workload, server: Server, session)
     # 3. the engine's state once everything has finished: a one-token probe makes the engine take a step,
     # and the stats of that step (taken after it frees the probe) are what /metrics shows
     probe_tokens = [workload.prompts[0][0]]
-    probe = await stream_completion(session, server.url, Workload([probe_tokens], [1], []), Request(-1, 0, None),
+    probe = await stream_completion(http, server.url, Workload([probe_tokens], [1], []), Request(-1, 0, None),
                                     progress, 0)
-    after = await metrics(session, server.url)
+    after = await metrics(http, server.url)
     for _ in range(30):  # the API server records the engine's stats when the step's output arrives
         if after["vllm:request_success_total"] >= before["vllm:request_success_total"] + sum(
                 o.status == "completed" for o in outcomes) + 1:
             break
         await asyncio.sleep(1.0)
-        after = await metrics(session, server.url)
+        after = await metrics(http, server.url)
     return summarize(args, backend, workload, reference, outcomes, stall, probe, before, after,
                      (load_started, load_ended), solo_seconds, load_average, cpu_seconds)
 
