@@ -31,7 +31,7 @@ copy on write of a shared page before a row writes into it, a free list of relea
 
 Modules: ``compat`` (transformers versions, keywords), ``attention`` (the registered attention
 function), ``mask`` (the registered mask function and the refusal of models whose code reads the
-mask as the 4-D eager mask: ``UnsupportedModelError``), ``cache`` (``PagedCache``), ``generate``
+mask as the 4-D eager mask: ``UnsupportedModelError``), ``cache`` (``PagedCache``), ``pool`` (its pages, reference counts and copy on write), ``generate``
 (``generate_batch``). Importing ``pagedkv.hf``
 checks the installed transformers and registers the implementation.
 """
